@@ -1,0 +1,151 @@
+"""Model and engine configuration: small dataclasses that validate themselves.
+
+ModelConfig is read from the checkpoint's config.json (never from a table of model names); it
+accepts both the transformers-4 spelling (rope_theta, rope_scaling) and the transformers-5 one
+(rope_parameters)."""
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = ("OPTForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str | None
+    raw: dict = field(repr=False)  # the whole config.json, for family-specific fields
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        file = os.path.join(path, "config.json")
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path}: not a directory")
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing (an HF checkpoint directory needs config.json)")
+        try:
+            with open(file) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+        if raw.get("auto_map"):
+            raise CheckpointError(f"{file}: declares auto_map (custom remote code); pdserve runs no code "
+                                  "from checkpoints")
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise CheckpointError(f"{file}: unsupported architecture {archs or 'none given'}; "
+                                  f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            if arch == "OPTForCausalLM":
+                hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+                cfg = cls(path, arch, raw["vocab_size"], hidden, raw["num_hidden_layers"], heads, heads,
+                          hidden // heads, raw["ffn_dim"], raw["max_position_embeddings"],
+                          raw.get("tie_word_embeddings", True), raw.get("dtype") or raw.get("torch_dtype"), raw)
+            else:
+                hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+                cfg = cls(path, arch, raw["vocab_size"], hidden, raw["num_hidden_layers"], heads,
+                          raw.get("num_key_value_heads") or heads, raw.get("head_dim") or hidden // heads,
+                          raw["intermediate_size"], raw.get("max_position_embeddings", 2048),
+                          raw.get("tie_word_embeddings", False), raw.get("dtype") or raw.get("torch_dtype"), raw)
+        except KeyError as e:
+            raise CheckpointError(f"{file}: missing field {e.args[0]!r} for {arch}") from None
+        cfg._check(file)
+        return cfg
+
+    def _check(self, file: str):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise CheckpointError(f"{file}: {name} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(f"{file}: num_attention_heads={self.num_heads} is not a multiple of "
+                                  f"num_key_value_heads={self.num_kv_heads}")
+
+    # --- Llama-family details -------------------------------------------------------------------
+    @property
+    def rope_theta(self) -> float:
+        params = self.raw.get("rope_parameters") or {}
+        return float(params.get("rope_theta", self.raw.get("rope_theta", 10000.0)))
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        """The RoPE scaling dict, or None for plain RoPE. Only 'llama3' (and 'default') are supported."""
+        params = dict(self.raw.get("rope_scaling") or self.raw.get("rope_parameters") or {})
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind == "default":
+            return None
+        if kind != "llama3":
+            raise CheckpointError(f"{os.path.join(self.path, 'config.json')}: rope scaling type {kind!r} "
+                                  "is not supported (supported: default, llama3)")
+        return params
+
+    @property
+    def sliding_window(self) -> int | None:
+        if self.architecture == "Qwen2ForCausalLM" and not self.raw.get("use_sliding_window", False):
+            return None
+        return self.raw.get("sliding_window")
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return float(self.raw.get("rms_norm_eps", 1e-6))
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device cuda was asked for but torch sees no CUDA device")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # every running sequence must be able to decode in every step, or some would stall
+            logging.getLogger("pdserve").warning("max_num_seqs %d capped at max_num_batched_tokens %d",
+                                                 self.max_num_seqs, self.max_num_batched_tokens)
+            self.max_num_seqs = self.max_num_batched_tokens
+
+    def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        if self.dtype == "auto":
+            # On CPU without AMX fp32 GEMMs beat bf16 (see docs), so auto means fp32 there.
+            if self.device == "cpu":
+                return torch.float32
+            return getattr(torch, model_config.torch_dtype or "float32", torch.float32)
+        return getattr(torch, self.dtype)

@@ -1,0 +1,114 @@
+"""Owns the model, the paged KV cache and the sampler; runs one step's flat batch.
+
+prepare() turns the scheduler's output into flat input_ids/positions, the slot mapping and the
+attention groups; execute() runs one forward under the attention context, computes logits only
+for the sequences whose scheduled tokens reach their end (a finished prefill or a decode), and
+samples their next tokens."""
+import time
+
+import torch
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.layers.attention import AttentionMetadata, PagedAttention, attention_context, build_group
+from pdserve.layers.sampler import Sampler
+from pdserve.loader import load_model
+
+DEFAULT_KV_CACHE_CAP = 4 << 30  # bytes, when neither --num-kv-blocks nor --kv-cache-memory is given
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
+                 eos_token_ids: list[int]):
+        self.model_config, self.config = model_config, config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype(model_config)
+        self.block_size = config.block_size
+        self.model = load_model(model_config, self.dtype, config.device)
+        self.num_blocks = self._num_blocks(max_model_len)
+        self._allocate_kv_cache()
+        self.sampler = Sampler(eos_token_ids, self.device, config.seed)
+        self.sliding_window = model_config.sliding_window
+        self.last_forward_time = 0.0
+
+    @property
+    def bytes_per_block(self) -> int:
+        m = self.model_config
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory is not None:
+            n = c.kv_cache_memory // self.bytes_per_block
+            if n < 1:
+                raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no block "
+                                 f"(one block is {self.bytes_per_block} bytes)")
+            return n
+        # enough for max_num_seqs full-length sequences, capped
+        want = c.max_num_seqs * -(-max_model_len // self.block_size)
+        return max(1, min(want, DEFAULT_KV_CACHE_CAP // self.bytes_per_block))
+
+    def _allocate_kv_cache(self):
+        m = self.model_config
+        slots = self.num_blocks * self.block_size
+        self.kv_cache = torch.zeros(2, m.num_layers, slots, m.num_kv_heads, m.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        layers = [mod for mod in self.model.modules() if isinstance(mod, PagedAttention)]
+        assert len(layers) == m.num_layers
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def prepare(self, sched: SchedulerOutput, bm: BlockManager):
+        """Flat inputs for the step, and which flat rows need logits (with their sequences)."""
+        input_ids, positions, slots = [], [], []
+        groups = {True: ([], [], [], []), False: ([], [], [], [])}  # decode? -> q_lens, starts, ctx, tables
+        logit_rows, sample_seqs = [], []
+        bs = self.block_size
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            start, first = len(input_ids), seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[first:first + n])
+            pos = range(first, first + n)
+            positions.extend(pos)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            g = groups[n == 1]
+            g[0].append(n)
+            g[1].append(start)
+            g[2].append(first + n)
+            g[3].append(table)
+            if first + n == seq.num_tokens:   # all its tokens are cached after this step: sample
+                logit_rows.append(start + n - 1)
+                sample_seqs.append(seq)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            groups=[build_group(*g, bs, self.sliding_window, dev) for g in groups.values() if g[0]])
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta, logit_rows, sample_seqs)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, bm: BlockManager):
+        """Run the step. Returns [(seq, token, logprobs)] for the sequences that sample."""
+        input_ids, positions, meta, logit_rows, sample_seqs = self.prepare(sched, bm)
+        t0 = time.perf_counter()
+        with attention_context(meta):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.last_forward_time = time.perf_counter() - t0
+        if logits is None:
+            return []
+        tokens, logprobs = self.sampler(logits, sample_seqs)
+        return list(zip(sample_seqs, tokens, logprobs))
+
+    @torch.inference_mode()
+    def forward_logits(self, sched: SchedulerOutput, bm: BlockManager) -> torch.Tensor:
+        """All-position logits of one step (for tests comparing against a reference)."""
+        input_ids, positions, meta, _, _ = self.prepare(sched, bm)
+        with attention_context(meta):
+            return self.model.compute_logits(self.model(input_ids, positions)).float()

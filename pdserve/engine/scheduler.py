@@ -1,0 +1,122 @@
+"""Schedules model steps, not requests.
+
+Each step gets a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
+decodes are served first (one token each), then running prefills continue, then waiting requests
+are admitted; any prefill larger than the remaining budget is cut into chunks over several steps.
+When a running sequence needs a block and none is free, the most recently admitted running
+sequence not already scheduled in this step is preempted: its blocks are freed and it goes back to
+the front of the queue, to be re-prefilled (prompt + tokens generated so far) later.
+
+The scheduler has no model: it can be tested with fake sequences and fake sampled tokens."""
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)       # in flat-batch order: decodes, then prefills
+    num_tokens: list[int] = field(default_factory=list)      # tokens scheduled for each of `seqs`
+    is_prefill: list[bool] = field(default_factory=list)     # the phase each was in when scheduled
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for n, p in zip(self.num_tokens, self.is_prefill) if p)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(n for n, p in zip(self.num_tokens, self.is_prefill) if not p)
+
+    def add(self, seq: Sequence, n: int):
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+        self.is_prefill.append(seq.is_prefill)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # in admission order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        # Decodes first, so a long prompt never stalls them; then unfinished prefill chunks.
+        order = [s for s in self.running if not s.is_prefill] + [s for s in self.running if s.is_prefill]
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:   # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            self._mark_scheduled(seq, now)
+            out.add(seq, n)
+            scheduled.add(id(seq))
+            budget -= n
+        # Admit waiting requests (preempted ones are at the front) while budget, seats and blocks last.
+        # Not in a step that had to preempt: the cache is full, admitting would only thrash.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.prefill_len = seq.num_tokens
+            self.running.append(seq)
+            self.block_manager.allocate(seq, n)
+            self._mark_scheduled(seq, now)
+            out.add(seq, n)
+            budget -= n
+        return out
+
+    def _mark_scheduled(self, seq: Sequence, now: float):
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = now
+        if seq.is_prefill:
+            seq.metrics.num_prefill_steps += 1
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Evict by recompute: free the blocks, requeue at the front; its tokens are kept."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence for good (finished or aborted) and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,64 @@
+"""A request's state inside the engine: token ids, counters and a block table.
+
+Prefill, chunked prefill, decode and re-prefill after preemption are one rule for the scheduler:
+schedule `num_tokens - num_computed_tokens` tokens, capped by the budget."""
+import enum
+import itertools
+
+import torch
+
+from pdserve.engine.outputs import RequestMetrics
+from pdserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_counter = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
+        self.request_id = request_id
+        self.seq_no = next(_counter)          # admission order tiebreak
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0          # tokens whose K/V are in the cache
+        self.prefill_len = 0                  # tokens to prefill at the last (re-)admission
+        self.block_table: list[int] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # per-request RNG: a seeded request samples the same tokens whatever else is in the batch
+        self.generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """In the prefill phase: its (re-)admitted tokens are not all in the cache yet."""
+        return self.num_computed_tokens < self.prefill_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self):
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table}, {self.status.value})")

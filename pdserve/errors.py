@@ -1,0 +1,16 @@
+"""Errors a user can act on. Each carries a one-line message."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be loaded: names the file and what is wrong with it."""
+
+
+class RequestError(ValueError):
+    """A request cannot be admitted (bad sampling parameters, prompt too long, ...).
+
+    `param` names the offending field so the server can report it in OpenAI's error format.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

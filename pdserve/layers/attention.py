@@ -1,0 +1,105 @@
+"""Paged attention over one flattened batch of tokens.
+
+The engine step puts prefill chunks and decode tokens of many sequences into one flat batch of T
+tokens. Each layer writes the new K/V into their cache slots (an index write) and then lets every
+query attend to its own sequence's cached K/V. Decodes (one query each) and prefill chunks (many
+queries each) are gathered into two padded groups so that each is one batched
+scaled_dot_product_attention call, with no Python loop over sequences.
+
+The per-step metadata (slot mapping, gather indices, masks) is built once per step by the model
+runner and made visible to every layer through `attention_context` for the duration of the forward.
+"""
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences whose queries are padded to the same length for one SDPA call."""
+    token_idx: torch.Tensor   # (B, Q) index of each query in the flat batch (padding repeats a valid one)
+    query_valid: torch.Tensor  # (B, Q) bool, False on padding
+    kv_slots: torch.Tensor    # (B, K) cache slot of each key position of the sequence (padding: slot 0)
+    mask: torch.Tensor        # (B, 1, Q, K) bool: causal within the sequence, False on padding
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor       # (T,) cache slot each new token's K/V is written to
+    groups: list[AttentionGroup]
+
+
+_CONTEXT: AttentionMetadata | None = None
+
+
+@contextmanager
+def attention_context(meta: AttentionMetadata):
+    """Make `meta` visible to the attention layers for one forward; always cleared after."""
+    global _CONTEXT
+    _CONTEXT = meta
+    try:
+        yield
+    finally:
+        _CONTEXT = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _CONTEXT is None:
+        raise RuntimeError("attention called outside attention_context")
+    return _CONTEXT
+
+
+def build_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block_tables: list[list[int]],
+                block_size: int, sliding_window: int | None, device) -> AttentionGroup:
+    """Gather indices and mask for sequences with `q_lens` queries starting at flat index `starts`,
+    whose cached context after this step is `ctx_lens` tokens long."""
+    B, Q, K = len(q_lens), max(q_lens), max(ctx_lens)
+    q_lens_t = torch.tensor(q_lens)
+    ctx_t = torch.tensor(ctx_lens)
+    q_off = torch.arange(Q)
+    query_valid = q_off[None, :] < q_lens_t[:, None]
+    token_idx = torch.tensor(starts)[:, None] + torch.minimum(q_off[None, :], q_lens_t[:, None] - 1)
+    # absolute position of each query and key in its own sequence
+    q_pos = (ctx_t - q_lens_t)[:, None] + torch.minimum(q_off[None, :], q_lens_t[:, None] - 1)
+    k_pos = torch.arange(K)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_t[:, None, None])
+    if sliding_window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    nb = (K + block_size - 1) // block_size
+    tables = torch.zeros(B, nb, dtype=torch.long)
+    for i, t in enumerate(block_tables):
+        n = min(len(t), nb)
+        tables[i, :n] = torch.tensor(t[:n])
+    kv_slots = (tables[:, :, None] * block_size + torch.arange(block_size)).view(B, -1)[:, :K]
+    kv_slots = torch.where(k_pos[None, :] < ctx_t[:, None], kv_slots, 0)
+    return AttentionGroup(token_idx.to(device), query_valid.to(device), kv_slots.to(device),
+                          mask[:, None].to(device))
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Set by the model runner once the cache is allocated: (num_slots, Hkv, D) views.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (T, H, D); k, v: (T, Hkv, D). Returns (T, H * D)."""
+        meta = get_attention_metadata()
+        # The KV write is an index write into the flat slot view of the paged cache.
+        self.k_cache.index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            qg = q[g.token_idx].transpose(1, 2)                 # (B, H, Q, D)
+            kg = self.k_cache[g.kv_slots].transpose(1, 2)       # (B, Hkv, K, D)
+            vg = self.v_cache[g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
+                                                enable_gqa=self.num_heads != self.num_kv_heads)
+            og = og.transpose(1, 2)                               # (B, Q, H, D)
+            out[g.token_idx[g.query_valid]] = og[g.query_valid]
+        return out.reshape(q.shape[0], -1)

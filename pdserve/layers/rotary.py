@@ -1,0 +1,50 @@
+"""Rotary position embedding (the rotate-half layout HF checkpoints use), with llama3 scaling."""
+import math
+
+import torch
+from torch import nn
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's frequency remap: long wavelengths slowed by `factor`, short ones kept,
+    a smooth blend in between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self, device=None):
+        """cos/sin for every position, looked up by index: no per-step trigonometry. Called again
+        by the loader after the model is materialised from the meta device."""
+        D = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+        if self.scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, self.scaling)
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32, device=device), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: (T, H, D), k: (T, Hkv, D), positions: (T,)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,100 @@
+"""Turns the last-position logits of a batch of sequences into next tokens.
+
+Order (as in vLLM): penalties, min_tokens masking, then greedy argmax, or temperature, top-k,
+top-p, min-p and a draw. Draws use the exponential race (argmax of p / Exp(1) noise), so each row
+can take its noise from its own generator: a seeded request samples the same tokens whatever else
+is in the batch. Logprobs are those of the raw model distribution."""
+import torch
+
+from pdserve.engine.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int], device, seed: int = 0):
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.generator = torch.Generator(device).manual_seed(seed)  # for requests without a seed
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
+        """logits: (len(seqs), V), modified in place (they are this step's scratch)."""
+        logits = logits.float()
+        want_logprobs = [s.params.logprobs is not None for s in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        self._apply_penalties(logits, seqs)
+        self._mask_min_tokens(logits, seqs)
+
+        tokens = logits.argmax(dim=-1)
+        sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sample_rows:
+            rows = torch.tensor(sample_rows, device=logits.device)
+            probs = self._filtered_probs(logits[rows], [seqs[i] for i in sample_rows])
+            noise = torch.stack([self._exponential(seqs[i], probs.shape[-1]) for i in sample_rows])
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw_logprobs, seqs, token_list)
+
+    def _exponential(self, seq: Sequence, n: int) -> torch.Tensor:
+        if seq.params.seed is not None and seq.generator is None:
+            seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+        gen = seq.generator or self.generator
+        return torch.empty(n, device=self.device).exponential_(generator=gen)
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        V = logits.shape[-1]
+        for i, s in enumerate(seqs):
+            p = s.params
+            if p.repetition_penalty != 1.0:
+                # HF/CTRL rule over prompt and output: shrink positive logits, grow negative ones
+                seen = torch.tensor(sorted(set(s.token_ids)), device=logits.device)
+                seen = seen[seen < V]
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and s.num_output_tokens:
+                # OpenAI rule over the output only
+                out = torch.tensor(s.output_token_ids, device=logits.device)
+                counts = torch.bincount(out[out < V], minlength=V).float()
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens:
+                banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else self.eos_token_ids)
+                banned = [t for t in banned if t < logits.shape[-1]]
+                logits[i, banned] = float("-inf")
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
+        temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        logits = logits / temp[:, None]
+        V = logits.shape[-1]
+        top_k = torch.tensor([s.params.top_k or V for s in seqs], device=dev)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        rank = torch.arange(V, device=dev)[None, :]
+        drop = rank >= top_k[:, None]
+        # top-p: drop a token once the mass before it already reaches top_p (the first always stays)
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        filtered = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        return filtered.softmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, seqs: list[Sequence], tokens: list[int]):
+        out: list[dict[int, float] | None] = []
+        for i, s in enumerate(seqs):
+            n = s.params.logprobs
+            if n is None or raw is None:
+                out.append(None)
+                continue
+            entry = {tokens[i]: raw[i, tokens[i]].item()}
+            if n:
+                vals, ids = raw[i].topk(n)
+                for v, t in zip(vals.tolist(), ids.tolist()):
+                    entry.setdefault(t, v)
+            out.append(entry)
+        return out

@@ -1,0 +1,64 @@
+"""The offline API: `LLM(path).generate(prompts, SamplingParams(...))`."""
+from collections.abc import Iterator
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_kwargs):
+        self.engine = LLMEngine(model, **engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run all prompts together (continuous batching) and return their final outputs in input order."""
+        final: dict[str, RequestOutput] = {}
+        ids = self._add(prompts, params)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        for out in self._run():
+            if out.finished:
+                final[out.request_id] = out
+                if bar:
+                    bar.update(1)
+        if bar:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def generate_stream(self, prompts: Prompt | list[Prompt],
+                        params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yield each request's output as every step produces it (`new_text` is the delta)."""
+        self._add(prompts, params)
+        yield from self._run()
+
+    def _add(self, prompts, params) -> list[str]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                rid = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:   # all or nothing: do not leave half a batch in the engine
+                self.engine.abort_request(rid)
+            self.engine.step()
+            raise
+        return ids
+
+    def _run(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()

@@ -1,0 +1,103 @@
+"""The Llama family: Llama, Qwen2 (q/k/v bias), Mistral (sliding window).
+
+RMSNorm, RoPE, SwiGLU, grouped-query attention. Module names mirror the HF checkpoints so that
+loading is a name match."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.config import ModelConfig
+from pdserve.layers.attention import PagedAttention
+from pdserve.layers.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 like the reference, whatever the model dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_bias = cfg.architecture == "Qwen2ForCausalLM" or cfg.raw.get("attention_bias", False)
+        o_bias = cfg.architecture != "Qwen2ForCausalLM" and cfg.raw.get("attention_bias", False)
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=qkv_bias)
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=o_bias)
+        self.rotary = rotary
+        self.attn = PagedAttention(H, Hkv, D, scale=D ** -0.5)
+        self.H, self.Hkv, self.D = H, Hkv, D
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.H, self.D)
+        k = self.k_proj(x).view(T, self.Hkv, self.D)
+        v = self.v_proj(x).view(T, self.Hkv, self.D)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        bias = cfg.raw.get("mlp_bias", False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat batch of T tokens -> hidden states (T, hidden)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

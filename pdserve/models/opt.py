@@ -1,0 +1,105 @@
+"""OPT (the family of the server we grew out of): learned positions offset by 2, LayerNorm,
+ReLU MLP, pre-LN (125m) or post-LN (350m) blocks, optional project_in/project_out."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.config import ModelConfig
+from pdserve.layers.attention import PagedAttention
+
+# OPT's learned position table has two extra leading rows (a fairseq padding convention).
+POSITION_OFFSET = 2
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, D, bias = cfg.num_heads, cfg.head_dim, cfg.raw.get("enable_bias", True)
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
+        self.out_proj = nn.Linear(H * D, cfg.hidden_size, bias=bias)
+        self.attn = PagedAttention(H, H, D, scale=D ** -0.5)
+        self.H, self.D = H, D
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.H, self.D)
+        k = self.k_proj(x).view(T, self.H, self.D)
+        v = self.v_proj(x).view(T, self.H, self.D)
+        return self.out_proj(self.attn(q, k, v))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        affine, bias = cfg.raw.get("layer_norm_elementwise_affine", True), cfg.raw.get("enable_bias", True)
+        self.self_attn = OPTAttention(cfg)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
+        self.act = ACTIVATIONS[cfg.raw.get("activation_function", "relu")]
+        self.pre_ln = cfg.raw.get("do_layer_norm_before", True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn(self.self_attn_layer_norm(x) if self.pre_ln else x)
+        x = x + h
+        if not self.pre_ln:
+            x = self.self_attn_layer_norm(x)
+        h = self.fc2(self.act(self.fc1(self.final_layer_norm(x) if self.pre_ln else x)))
+        x = x + h
+        if not self.pre_ln:
+            x = self.final_layer_norm(x)
+        return x
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        proj_dim = cfg.raw.get("word_embed_proj_dim") or cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, proj_dim)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size)
+        self.project_in = nn.Linear(proj_dim, cfg.hidden_size, bias=False) if proj_dim != cfg.hidden_size else None
+        self.project_out = nn.Linear(cfg.hidden_size, proj_dim, bias=False) if proj_dim != cfg.hidden_size else None
+        # 350m-style (post-LN) checkpoints have no final norm
+        has_final = cfg.raw.get("do_layer_norm_before", True) and not cfg.raw.get("_remove_final_layer_norm", False)
+        self.final_layer_norm = (nn.LayerNorm(cfg.hidden_size, elementwise_affine=cfg.raw.get(
+            "layer_norm_elementwise_affine", True)) if has_final else None)
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg) for _ in range(cfg.num_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        x = x + self.embed_positions(positions + POSITION_OFFSET)
+        for layer in self.layers:
+            x = layer(x)
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return x
+
+
+class OPTModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.decoder = OPTDecoder(cfg)
+
+
+class OPTForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.model = OPTModel(cfg)
+        proj_dim = cfg.raw.get("word_embed_proj_dim") or cfg.hidden_size
+        self.lm_head = nn.Linear(proj_dim, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,68 @@
+"""Per-request sampling parameters, validated before a request is admitted."""
+from dataclasses import dataclass, field
+
+from pdserve.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0                # nucleus mass kept, in (0, 1]
+    top_k: int = 0                    # 0 (or -1) = off
+    min_p: float = 0.0                # drop tokens below min_p * p(top token)
+    seed: int | None = None           # same seed, same output, whatever else is in the batch
+    presence_penalty: float = 0.0     # OpenAI: subtract once if the token appeared in the output
+    frequency_penalty: float = 0.0    # OpenAI: subtract per occurrence in the output
+    repetition_penalty: float = 1.0   # CTRL/HF: divide positive (multiply negative) logits of seen tokens
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0               # EOS and stop tokens are masked until this many tokens exist
+    logprobs: int | None = None       # top-N logprobs per generated token (plus the sampled one)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self):
+        def bad(param, why):
+            raise RequestError(f"{param} {why}", param=param)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

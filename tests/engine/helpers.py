@@ -1,0 +1,69 @@
+"""Shared test helpers for engine tests: reference runs through transformers, chunked prefills."""
+import functools
+
+import torch
+
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.sampling_params import SamplingParams
+
+# Prompt lengths from 1 to 200 tokens: single token, inside one block, block edges, many blocks.
+PROMPT_LENS = [1, 2, 7, 15, 16, 17, 33, 64, 120, 200]
+
+
+@functools.lru_cache(maxsize=None)
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def corpus_prompts(tokenizer, lens=PROMPT_LENS, offset=0) -> list[list[int]]:
+    """Token-id prompts of exactly the given lengths, cut from varied corpus text."""
+    ids = _corpus_ids(tokenizer)
+    prompts, start = [], offset
+    for n in lens:
+        prompts.append(ids[start:start + n])
+        start += n * 3 + 11
+    return prompts
+
+
+@functools.lru_cache(maxsize=None)
+def _corpus_ids(tokenizer) -> list[int]:
+    from pdserve.tools.make_model import corpus_texts
+    text = " ".join(corpus_texts())[:40000]   # ~10k tokens: plenty, and fast to encode
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@torch.no_grad()
+def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    model = hf_model(path)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def hf_logits(path: str, ids: list[int]) -> torch.Tensor:
+    """All-position logits of one full forward, without a cache."""
+    return hf_model(path)(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+def chunked_logits(engine, ids: list[int], chunk: int) -> torch.Tensor:
+    """Run `ids` through the engine's runner in chunks of `chunk` tokens against its paged cache
+    (chunk 1 is exactly decode with the KV cache) and return every position's logits."""
+    bm = engine.block_manager
+    seq = Sequence("probe", ids, SamplingParams(), 0.0)
+    seq.prefill_len = len(ids)
+    out = []
+    try:
+        while seq.num_computed_tokens < len(ids):
+            n = min(chunk, len(ids) - seq.num_computed_tokens)
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            sched = SchedulerOutput()
+            sched.add(seq, n)
+            out.append(engine.runner.forward_logits(sched, bm))
+            seq.num_computed_tokens += n
+    finally:
+        bm.free(seq)
+    return torch.cat(out)

@@ -1,0 +1,114 @@
+"""Continuous batching, chunked prefill and preemption never change what a request generates."""
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from tests.engine.helpers import corpus_prompts
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_llama):
+    return tiny_llama
+
+
+@pytest.fixture(scope="module")
+def prompts(path):
+    return corpus_prompts(LLM(path).tokenizer, lens=[5, 40, 13, 90, 1, 27, 64, 8])
+
+
+@pytest.fixture(scope="module")
+def solo(path, prompts):
+    """Each prompt run alone in its own engine: the reference for everything below."""
+    llm = LLM(path)
+    return [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+def run_to_end(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int]]]]):
+    """Step the engine; before step k, add the requests in arrivals[k]. Returns final outputs by id."""
+    final, step = {}, 0
+    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
+        for rid, prompt in arrivals.get(step, []):
+            engine.add_request(rid, prompt, GREEDY)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        step += 1
+    return final
+
+
+def test_requests_joining_mid_decode_get_their_solo_output(path, prompts, solo):
+    engine = LLMEngine(path, max_num_batched_tokens=32, max_num_seqs=8)
+    # arrivals spread over steps, while earlier requests are decoding or mid-prefill
+    arrivals = {0: [("0", prompts[0]), ("1", prompts[1])], 3: [("2", prompts[2])], 5: [("3", prompts[3])],
+                9: [("4", prompts[4]), ("5", prompts[5])], 14: [("6", prompts[6]), ("7", prompts[7])]}
+    final = run_to_end(engine, arrivals)
+    assert [final[str(i)].token_ids for i in range(8)] == solo
+    assert engine.last_step is not None
+    engine.block_manager.check_all_free()
+
+
+def test_steps_mix_prefill_and_decode_under_the_budget(path, prompts):
+    engine = LLMEngine(path, max_num_batched_tokens=16, max_num_seqs=8)
+    engine.add_request("short", prompts[0], GREEDY)
+    engine.step()                          # prefill of the short prompt
+    engine.add_request("long", prompts[3], GREEDY)   # 90 tokens: 6+ chunks
+    mixed = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        st = engine.last_step
+        assert st.num_prefill_tokens + st.num_decode_tokens <= 16
+        mixed += st.num_prefill_tokens > 0 and st.num_decode_tokens > 0
+    # the running decode was never stalled: it shared every step of the long prefill
+    assert mixed >= 5
+
+
+def test_preemption_keeps_outputs_and_frees_every_block(path, prompts, solo):
+    # 12 blocks of 16 tokens = 192 slots for 8 requests needing up to 114 each: must preempt
+    llm = LLM(path, num_kv_blocks=12, block_size=16, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == solo
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    llm.engine.block_manager.check_all_free()
+    assert not llm.engine.seqs
+
+
+def test_abort_frees_blocks(path, prompts):
+    engine = LLMEngine(path, max_num_batched_tokens=32)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    for _ in range(4):
+        engine.step()
+    for i in range(len(prompts)):
+        engine.abort_request(str(i))
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == [str(i) for i in range(len(prompts))]
+    assert all(o.finished and o.finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished_requests()
+    engine.block_manager.check_all_free()
+
+
+def test_request_metrics(path, prompts):
+    llm = LLM(path, max_num_batched_tokens=16)
+    out = llm.generate([prompts[3]], GREEDY)[0]
+    m = out.metrics
+    assert len(m.token_times) == len(out.token_ids) == 24
+    assert m.num_prefill_steps == 6                   # 90 tokens in chunks of 16
+    assert 0 <= m.queue_time <= m.ttft <= m.e2e
+    assert m.first_token_time == m.token_times[0] and m.finished_time == m.token_times[-1]
+    assert m.tpot == pytest.approx((m.e2e - m.ttft) / 23)
+    assert len(m.itl) == 23 and all(x >= 0 for x in m.itl)
+    assert m.prefill_time + m.decode_time == pytest.approx(m.e2e - m.queue_time)
+
+
+def test_stream_deltas_add_up(path, prompts):
+    llm = LLM(path)
+    texts, finals = {}, {}
+    for out in llm.generate_stream(prompts[:3], GREEDY):
+        texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
+        if out.finished:
+            finals[out.request_id] = out
+    assert len(finals) == 3
+    for rid, out in finals.items():
+        assert texts[rid] == out.text == llm.tokenizer.decode(out.token_ids)
