@@ -112,3 +112,14 @@ def test_stream_deltas_add_up(path, prompts):
     assert len(finals) == 3
     for rid, out in finals.items():
         assert texts[rid] == out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_kv_cache_sizing(path):
+    by_blocks = LLMEngine(path, num_kv_blocks=7, block_size=8)
+    assert by_blocks.block_manager.num_blocks == 7 and by_blocks.runner.kv_cache.shape[2] == 7 * 8
+    per_block = by_blocks.runner.bytes_per_block
+    by_memory = LLMEngine(path, kv_cache_memory=per_block * 5 + per_block // 2, block_size=8)
+    assert by_memory.block_manager.num_blocks == 5
+    assert by_memory.runner.kv_cache.numel() * by_memory.runner.kv_cache.element_size() == 5 * per_block
+    with pytest.raises(ValueError, match="holds no block"):
+        LLMEngine(path, kv_cache_memory=per_block - 1, block_size=8)

@@ -1,0 +1,104 @@
+"""From prompts to Sequences and from sampled tokens to RequestOutputs: tokenization and
+admission checks, incremental detokenization, stop conditions, timings, stream hold-back.
+
+The engine and the baseline backends share it, so every backend refuses, stops and streams
+by the same rules."""
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.errors import RequestError
+from pdserve.sampling_params import SamplingParams
+from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     arrival_time: float) -> Sequence:
+        """Tokenize and check a prompt against the context; raise RequestError naming the field."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt else []  # "" is empty even with a BOS
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
+                                   param="prompt")
+        if not ids:
+            raise RequestError("prompt is empty", param="prompt")
+        n, m, limit = len(ids), params.max_tokens, self.max_model_len
+        if n >= limit:
+            raise RequestError(f"prompt has {n} tokens; this model's maximum context length is {limit} tokens",
+                               param="prompt")
+        if n + m > limit:
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds this model's maximum "
+                               f"context length of {limit} tokens", param="max_tokens")
+        seq = Sequence(request_id, ids, params, arrival_time)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        seq.text = ""
+        seq.sent_text_len = 0
+        return seq
+
+    def append_token(self, seq: Sequence, token: int, logprobs: dict | None, now: float) -> None:
+        """Add a sampled token; sets seq.finish_reason when a stop condition is met."""
+        seq.token_ids.append(token)
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs)
+        seq.text += seq.detokenizer.add(token)
+        self._check_stop(seq, token)
+        if seq.finish_reason is not None:
+            m.finished_time = now
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        reason = stop = None
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+                reason = "stop"
+            elif token in p.stop_token_ids:
+                reason, stop = "stop", token
+            elif p.stop:
+                reason, stop = self._check_stop_strings(seq)
+        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop
+            if not isinstance(stop, str):  # emit bytes held back for an incomplete character
+                seq.text += seq.detokenizer.flush()
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence):
+        # only the tail can hold a new match: the last token's text plus the longest stop string
+        longest = max(len(s) for s in seq.params.stop)
+        tail_start = max(0, len(seq.text) - longest - 32)
+        hits = [(seq.text.find(s, tail_start), s) for s in seq.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return None, None
+        i, s = min(hits)
+        seq.text = seq.text[:i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+        return "stop", s
+
+    @staticmethod
+    def make_output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        # While a stop string could still be forming, hold back its possible prefix from the stream.
+        if seq.is_finished:
+            upto = len(seq.text)
+        else:
+            hold = max((len(s) for s in seq.params.stop), default=1) - 1
+            upto = max(seq.sent_text_len, len(seq.text) - hold)
+        new_text = seq.text[seq.sent_text_len:upto]
+        seq.sent_text_len = upto
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids, text=seq.text, new_token_ids=new_tokens, new_text=new_text,
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            finished=seq.is_finished, finish_reason=seq.finish_reason, metrics=seq.metrics,
+            stop_reason=seq.stop_reason)
