@@ -1,0 +1,31 @@
+"""The FastAPI app around one engine: routes, error format, request checks, lifespan."""
+import contextlib
+
+from fastapi import FastAPI
+
+from pdserve.server import openai_api, origin_api, utility_api
+from pdserve.server.errors import install_error_handlers
+from pdserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pdserve.server.state import ServerConfig, ServerState
+
+
+def build_app(engine, config: ServerConfig) -> FastAPI:
+    state = ServerState(engine, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.async_engine.start()   # needs the running event loop
+        yield
+        state.async_engine.stop()
+
+    # strict_content_type=False: a JSON body without a Content-Type header is still JSON.
+    app = FastAPI(title="pdserve", lifespan=lifespan, strict_content_type=False)
+    app.state.pdserve = state
+    for module in (openai_api, origin_api, utility_api):
+        app.include_router(module.router)
+    install_error_handlers(app)
+    # The last added runs first: the key is checked before any body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app

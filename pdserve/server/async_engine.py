@@ -1,0 +1,220 @@
+"""The engine loop in its own thread, and the asyncio side the HTTP handlers talk to.
+
+LLMEngine is not thread-safe, so handlers never touch it. They post "add" and "abort"
+commands to a queue that the engine thread drains between steps, and read outputs from one
+asyncio.Queue per HTTP request, which the engine thread feeds with loop.call_soon_threadsafe.
+Every live request, whatever endpoint it came through, is in every step.
+"""
+import asyncio
+import collections
+import logging
+import threading
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.errors import RequestError
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.errors import APIError, Overloaded
+
+log = logging.getLogger("pdserve.server")
+
+
+class EngineDead(APIError):
+    def __init__(self, why: str):
+        super().__init__(503, f"the engine is not running: {why}", type="server_error", code="engine_dead")
+
+
+class Submission:
+    """The engine requests of one HTTP request (its prompts x n choices), read as one stream."""
+
+    def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
+        self._engine = engine
+        self.request_ids = request_ids
+        self.index = {rid: i for i, rid in enumerate(request_ids)}   # request id -> choice index
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(request_ids)
+
+    async def outputs(self):
+        """RequestOutputs of all its engine requests, in step order, until all have finished."""
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield item
+
+    async def collect(self) -> list[RequestOutput]:
+        """Wait for all to finish; their final outputs in request_ids order."""
+        finals: list[RequestOutput | None] = [None] * len(self.request_ids)
+        try:
+            async for out in self.outputs():
+                if out.finished:
+                    finals[self.index[out.request_id]] = out
+        finally:
+            self.cancel()
+        if any(f.finish_reason == "error" for f in finals):
+            raise APIError(500, "the engine failed while generating this request", type="server_error")
+        return finals
+
+    def cancel(self) -> None:
+        """Abort whatever has not finished (the client left, or the handler failed). Idempotent."""
+        if self.unfinished:
+            self._engine.abort(list(self.unfinished))
+
+
+class AsyncEngine:
+    def __init__(self, engine, max_waiting: int, metrics=None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.accepting = True          # False once shutdown began: new requests get 503
+        self.error: BaseException | None = None
+        self._commands: collections.deque = collections.deque()  # loop thread appends, engine thread pops
+        self._wake = threading.Event()
+        self._stopping = False
+        # Requests posted but not yet handed to the engine, plus the engine's own waiting queue:
+        # together they are what --max-waiting bounds. Written by both threads, so under a lock.
+        self._lock = threading.Lock()
+        self._num_posted = 0
+        self._num_engine_waiting = 0
+        self._subs: dict[str, Submission] = {}   # request id -> its Submission; loop thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle (called on the event loop)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.accepting = False
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all(EngineDead("the server stopped"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return self._num_posted + self._num_engine_waiting
+
+    # ---- the handlers' side
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str],
+                     arrival_time: float) -> Submission:
+        """Admit one engine request per (prompt, params, id); all or none.
+
+        Raises Overloaded when the waiting queue is full, EngineDead, or the engine's RequestError.
+        """
+        if self.error is not None or not self.alive:
+            raise EngineDead(repr(self.error) if self.error else "the engine thread is not running")
+        if not self.accepting:
+            raise Overloaded("the server is shutting down", code="shutting_down")
+        with self._lock:
+            waiting = self._num_posted + self._num_engine_waiting
+            if waiting + len(request_ids) > self.max_waiting:
+                raise Overloaded(f"too many requests waiting ({waiting}, --max-waiting {self.max_waiting}); "
+                                 "retry later")
+            self._num_posted += len(request_ids)
+        sub = Submission(self, request_ids)
+        for rid in request_ids:
+            self._subs[rid] = sub
+        admitted = self._loop.create_future()
+        self._post(("add", list(zip(request_ids, prompts, params)), arrival_time, admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(request_ids)   # the add may still happen: the abort is queued behind it
+            raise
+        except BaseException:
+            for rid in request_ids:
+                self._subs.pop(rid, None)
+            raise
+        return sub
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._post(("abort", request_ids))
+
+    def _post(self, command) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    # ---- the engine thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()   # before draining: a command posted after the drain sets it again
+                self._drain()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    continue
+                outputs = self.engine.step()
+                stats = self.engine.get_stats()
+                with self._lock:
+                    self._num_engine_waiting = stats.num_waiting
+                if self.metrics is not None:
+                    self.metrics.record_step(self.engine.last_step, stats, outputs)
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as e:
+            log.exception("engine loop failed; the server can no longer generate")
+            self.error = e
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDead(f"{type(e).__name__}: {e}"))
+
+    def _drain(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "abort":
+                for rid in command[1]:
+                    self.engine.abort_request(rid)
+                continue
+            _, items, arrival_time, admitted = command
+            added, error = [], None
+            try:
+                for rid, prompt, params in items:
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival_time)
+                    added.append(rid)
+            except Exception as e:   # RequestError, or a bug that must reach the client as a 500
+                error = e
+                for rid in added:    # all or none
+                    self.engine.abort_request(rid)
+                if not isinstance(e, RequestError):
+                    log.exception("add_request failed")
+            stats = self.engine.get_stats()
+            with self._lock:
+                self._num_posted -= len(items)
+                self._num_engine_waiting = stats.num_waiting
+            self._loop.call_soon_threadsafe(_resolve, admitted, error)
+
+    # ---- back on the event loop
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sub = self._subs.pop(out.request_id, None) if out.finished else self._subs.get(out.request_id)
+            if sub is not None:
+                sub.queue.put_nowait(out)
+
+    def _fail_all(self, error: APIError) -> None:
+        for sub in set(self._subs.values()):
+            sub.queue.put_nowait(error)
+        self._subs.clear()
+        while self._commands:   # adds nobody will drain any more
+            command = self._commands.popleft()
+            if command[0] == "add":
+                _resolve(command[3], error)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():   # the handler may have been cancelled meanwhile
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)

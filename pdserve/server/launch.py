@@ -1,0 +1,93 @@
+"""`pdserve serve`: load a checkpoint and serve it over HTTP until SIGTERM or Ctrl-C.
+
+On the first SIGTERM/SIGINT the server stops admitting (new requests get 503, /health
+says so, the listening socket closes), lets running requests finish for up to
+--shutdown-timeout seconds, cancels what is left, and exits 0.
+"""
+import argparse
+import logging
+import os
+import signal
+
+import uvicorn
+
+from pdserve.engine.args import add_engine_args, engine_kwargs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    b = parser.add_argument_group("backend (docs/BACKENDS.md)")
+    b.add_argument("--backend", default="engine", choices=["engine", "hf", "static", "nocache"],
+                   help="engine: continuous batching over the paged KV cache (default); the origin's paths as "
+                        "baselines: hf = one transformers generate() per request, static = static batches "
+                        "of --batch-size, nocache = a token loop re-running the whole sequence without a KV cache")
+    b.add_argument("--batch-size", type=int, default=4, help="static backend: requests per batch (default: 4)")
+    b.add_argument("--batch-wait-ms", type=float, default=0.0,
+                   help="static backend: longest wait for a batch to fill (default: 0)")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: %(default)s, loopback only; 0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the checkpoint "
+                        "directory's basename)")
+    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every endpoint except /health, /metrics and "
+                        "/version (default: the PDSERVE_API_KEY environment variable; unset = no key)")
+    g.add_argument("--max-waiting", type=int, default=256,
+                   help="most requests admitted but not yet running; beyond it requests get 503 with "
+                        "Retry-After (default: %(default)s)")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body; larger ones get 413 (default: %(default)s = 1 MiB)")
+    g.add_argument("--max-stop-strings", type=int, default=16,
+                   help="most stop strings one request may give (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM before they are cancelled "
+                        "(default: %(default)s)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level of the server and its access log (default: %(default)s)")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app to stop admitting as soon as the signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, on_signal):
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig, frame):
+        self._on_signal()
+        super().handle_exit(sig, frame)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.engine.llm_engine import LLMEngine   # heavy (torch): only when serving
+    from pdserve.server.app import build_app
+    from pdserve.server.state import ServerConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.backend == "engine":
+        engine = LLMEngine(**engine_kwargs(args))
+    else:
+        from pdserve.baselines import BACKENDS
+        extra = dict(batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms) if args.backend == "static" else {}
+        engine = BACKENDS[args.backend](**engine_kwargs(args), **extra)
+    config = ServerConfig(served_model_name=args.served_model_name or engine.model_name,
+                          max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                          max_stop_strings=args.max_stop_strings, api_key=args.api_key or None)
+    app = build_app(engine, config)
+    state = app.state.pdserve
+
+    def stop_admitting():
+        state.async_engine.accepting = False
+
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=args.shutdown_timeout), stop_admitting)
+    # uvicorn re-raises the signal after its graceful shutdown, under the handlers that were there
+    # before it; with these the re-raise is a no-op and we exit 0 instead of dying of SIGTERM.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    logging.getLogger("pdserve.server").info("serving %s on http://%s:%d", config.served_model_name,
+                                             args.host, args.port)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,89 @@
+"""Prometheus metrics, named after vLLM's under a `pdserve:` prefix.
+
+Each app owns its CollectorRegistry (not prometheus_client's global one), so a process, or a
+test, can build several apps. Everything is recorded from the engine thread after each step:
+per-step histograms from engine.last_step, request histograms when a request finishes,
+gauges from engine.get_stats(). prometheus_client is thread-safe.
+"""
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
+
+LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
+TOKEN_BUCKETS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+SEQ_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self._last_step: StepStats | None = None
+
+        def hist(name, doc, buckets):
+            return Histogram(f"pdserve:{name}", doc, buckets=buckets, registry=r)
+
+        def counter(name, doc, labels=()):
+            return Counter(f"pdserve:{name}", doc, labels, registry=r)
+
+        def gauge(name, doc):
+            return Gauge(f"pdserve:{name}", doc, registry=r)
+
+        # per request, observed when it finishes
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Gap between consecutive generated tokens.", LATENCY_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Mean time per output token after the first, per request.", LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (KV blocks reclaimed) by the scheduler.")
+        self.success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
+        # engine state after the latest step
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests admitted but not yet scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
+        # per step
+        self.step_prefill = hist("step_prefill_tokens", "Prefill tokens in one engine step.", TOKEN_BUCKETS)
+        self.step_decode = hist("step_decode_tokens", "Decode tokens in one engine step.", TOKEN_BUCKETS)
+        self.step_seqs = hist("step_num_seqs", "Sequences in one engine step.", SEQ_BUCKETS)
+        self.step_time = hist("step_duration_seconds", "Wall time of one engine step.", LATENCY_BUCKETS)
+
+    def record_step(self, step: StepStats | None, stats: EngineStats, outputs: list[RequestOutput]) -> None:
+        # A step that only delivered aborts leaves engine.last_step as it was: count each step once.
+        if step is not None and step is not self._last_step:
+            self._last_step = step
+            self.step_prefill.observe(step.num_prefill_tokens)
+            self.step_decode.observe(step.num_decode_tokens)
+            self.step_seqs.observe(step.num_seqs)
+            self.step_time.observe(step.duration)
+            if step.num_preemptions:
+                self.preemptions.inc(step.num_preemptions)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        for out in outputs:
+            if out.finished:
+                self.record_finished(out)
+
+    def record_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        self.success.labels(out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+        for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e),
+                            (self.queue_time, m.queue_time), (self.prefill_time, m.prefill_time),
+                            (self.decode_time, m.decode_time)):
+            if value is not None:   # e.g. a request aborted before its first token has no TTFT
+                hist.observe(value)
+        for gap in m.itl:
+            self.itl.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

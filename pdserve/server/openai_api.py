@@ -1,0 +1,220 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+One HTTP request becomes len(prompts) x n engine requests; choice i of the response is
+engine request `{id}-{i}`. Each choice carries its phase timings as the extension field
+"metrics" (RequestMetrics.as_dict()), in the response or in the stream chunk that ends it.
+"""
+import math
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.errors import RequestError
+from pdserve.server.errors import APIError, error_body
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.state import ServerState, get_state
+from pdserve.server.streaming import DONE, sse, sse_response, unless_disconnected
+
+router = APIRouter()
+
+# JSON has no -inf; a token masked out by top-k/top-p reports this instead (as vLLM does).
+MASKED_LOGPROB = -9999.0
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else MASKED_LOGPROB
+
+
+def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+    # The engine's dict holds the top k plus the sampled token, which may be outside them.
+    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(tok, token_ids: list[int], logprobs: list[dict], k: int, offset: int) -> dict:
+    """The legacy completions logprobs object for these tokens; `offset` is the text length before them."""
+    res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp in zip(token_ids, logprobs):
+        s = tok.decode([tid], skip_special_tokens=False)
+        res["tokens"].append(s)
+        res["token_logprobs"].append(_finite(lp[tid]))
+        res["top_logprobs"].append({tok.decode([i], skip_special_tokens=False): _finite(v) for i, v in _top(lp, k)})
+        res["text_offset"].append(offset)
+        offset += len(s)
+    return res
+
+
+def chat_logprobs(tok, token_ids: list[int], logprobs: list[dict], k: int) -> list[dict]:
+    """The chat `logprobs.content` entries for these tokens."""
+    def entry(tid, value):
+        s = tok.decode([tid], skip_special_tokens=False)
+        return {"token": s, "logprob": _finite(value), "bytes": list(s.encode())}
+    return [{**entry(tid, lp[tid]), "top_logprobs": [entry(i, v) for i, v in _top(lp, k)]}
+            for tid, lp in zip(token_ids, logprobs)]
+
+
+def _usage(prompts: list[list[int]], num_generated: int) -> dict:
+    n_prompt = sum(len(p) for p in prompts)
+    return {"prompt_tokens": n_prompt, "completion_tokens": num_generated, "total_tokens": n_prompt + num_generated}
+
+
+def _ending(out: RequestOutput) -> dict:
+    return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "metrics": out.metrics.as_dict()}
+
+
+def _head(request_id: str, object: str, s: ServerState) -> dict:
+    return {"id": request_id, "object": object, "created": int(time.time()), "model": s.config.served_model_name}
+
+
+# ---- /v1/completions
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    arrival = time.perf_counter()
+    s = get_state(request)
+    s.check_model(body.model)
+    s.check_stop(body.stop_list)
+    if body.echo and body.logprobs is not None:
+        raise RequestError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
+    prompts = s.prompt_ids(body.prompt)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    params = [p for _ in prompts for p in s.sampling_params(body.n, body.seed, max_tokens=max_tokens,
+                                                            logprobs=body.logprobs, **body.sampling_kwargs())]
+    if not body.echo:
+        texts = [""] * len(prompts)
+    elif isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
+        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    else:
+        texts = [s.tokenizer.decode(p) for p in prompts]
+    echo = [t for t in texts for _ in range(body.n)]   # per choice
+    request_id, sub = await s.submit([p for p in prompts for _ in range(body.n)], params, arrival, "cmpl")
+    head = _head(request_id, "text_completion", s)
+    if body.stream:
+        return sse_response(_completion_events(s, body, sub, head, prompts, echo))
+    return await unless_disconnected(request, _completion_response(s, body, sub, head, prompts, echo))
+
+
+async def _completion_response(s, body, sub, head, prompts, echo) -> JSONResponse:
+    choices = await sub.collect()
+    res = []
+    for i, c in enumerate(choices):
+        lp = None if body.logprobs is None else completion_logprobs(s.tokenizer, c.token_ids, c.logprobs,
+                                                                    body.logprobs, 0)
+        res.append({"index": i, "text": echo[i] + c.text, "logprobs": lp, **_ending(c)})
+    usage = _usage(prompts, sum(len(c.token_ids) for c in choices))
+    return JSONResponse({**head, "choices": res, "usage": usage})
+
+
+async def _completion_events(s, body, sub, head, prompts, echo):
+    try:
+        offsets = [len(e) for e in echo]   # text sent so far per choice, for logprobs' text_offset
+        for i, text in enumerate(echo):
+            if text:
+                yield sse({**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]})
+        generated = 0
+        async for out in sub.outputs():
+            i = sub.index[out.request_id]
+            choice = {"index": i, "text": out.new_text, "logprobs": None, "finish_reason": None}
+            if body.logprobs is not None and out.new_token_ids:
+                choice["logprobs"] = completion_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
+                                                         body.logprobs, offsets[i])
+            offsets[i] += len(out.new_text)
+            if out.finished:
+                choice.update(_ending(out))
+                generated += len(out.token_ids)
+            if out.new_text or out.finished or choice["logprobs"]:
+                yield sse({**head, "choices": [choice]})
+        if body.include_usage:
+            yield sse({**head, "choices": [], "usage": _usage(prompts, generated)})
+    except APIError as e:
+        yield sse(error_body(e.message, e.type, e.param, e.code))
+    finally:
+        sub.cancel()   # a no-op unless the client left early: then it frees the KV blocks
+    yield DONE
+
+
+# ---- /v1/chat/completions
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    arrival = time.perf_counter()
+    s = get_state(request)
+    s.check_model(body.model)
+    s.check_stop(body.stop_list)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    try:
+        prompt = s.tokenizer.encode_chat([m.as_template_dict() for m in body.messages], add_generation_prompt=True)
+    except ValueError as e:
+        raise RequestError(str(e), param="messages") from None
+    if not prompt:
+        raise RequestError("messages render to an empty prompt", param="messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        # OpenAI's chat default: as many as fit in the context. If the prompt alone is too long,
+        # asking for one token lets the engine report the lengths.
+        max_tokens = max(1, s.max_model_len - len(prompt))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, **body.sampling_kwargs())
+    request_id, sub = await s.submit([prompt] * body.n, params, arrival, "chatcmpl")
+    if body.stream:
+        return sse_response(_chat_events(s, body, sub, _head(request_id, "chat.completion.chunk", s), prompt))
+    return await unless_disconnected(
+        request, _chat_response(s, body, sub, _head(request_id, "chat.completion", s), prompt))
+
+
+async def _chat_response(s, body, sub, head, prompt) -> JSONResponse:
+    choices = await sub.collect()
+    k = body.top_logprobs or 0
+    res = [{"index": i, "message": {"role": "assistant", "content": c.text},
+            "logprobs": {"content": chat_logprobs(s.tokenizer, c.token_ids, c.logprobs, k)} if body.logprobs else None,
+            **_ending(c)} for i, c in enumerate(choices)]
+    usage = _usage([prompt], sum(len(c.token_ids) for c in choices))
+    return JSONResponse({**head, "choices": res, "usage": usage})
+
+
+async def _chat_events(s, body, sub, head, prompt):
+    try:
+        for i in range(body.n):
+            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        generated = 0
+        async for out in sub.outputs():
+            i = sub.index[out.request_id]
+            choice = {"index": i, "delta": {"content": out.new_text} if out.new_text else {},
+                      "logprobs": None, "finish_reason": None}
+            if body.logprobs and out.new_token_ids:
+                choice["logprobs"] = {"content": chat_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
+                                                               body.top_logprobs or 0)}
+            if out.finished:
+                choice.update(_ending(out))
+                generated += len(out.token_ids)
+            if out.new_text or out.finished or choice["logprobs"]:
+                yield sse({**head, "choices": [choice]})
+        if body.include_usage:
+            yield sse({**head, "choices": [], "usage": _usage([prompt], generated)})
+    except APIError as e:
+        yield sse(error_body(e.message, e.type, e.param, e.code))
+    finally:
+        sub.cancel()
+    yield DONE
+
+
+# ---- /v1/models
+
+def _model_card(s: ServerState) -> dict:
+    return {"id": s.config.served_model_name, "object": "model", "created": s.created, "owned_by": "pdserve",
+            "max_model_len": s.max_model_len}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(get_state(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request):
+    s = get_state(request)
+    s.check_model(model)
+    return _model_card(s)

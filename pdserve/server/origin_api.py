@@ -1,0 +1,73 @@
+"""The endpoints of the teaching server pdserve grew out of, with its field names.
+
+They are served by the same engine as the OpenAI API (their requests share steps with
+everyone else's) and default to greedy decoding of up to 64 tokens.
+
+One deliberate change: /generate returns only the continuation, like /basic_generate,
+/generate_stream and the OpenAI endpoints. The origin returned prompt + continuation because
+it decoded the whole sequence with HF; that re-decoded prompt need not even equal the text
+the client sent (tokenization does not always round-trip), and no other endpoint echoed it.
+"""
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.errors import APIError
+from pdserve.server.protocol import BasicGenerateRequest, GenerateRequest, GenerateStreamRequest
+from pdserve.server.state import get_state
+from pdserve.server.streaming import sse, sse_response, unless_disconnected
+
+router = APIRouter()
+
+
+async def _submit(request: Request, body, prompts: list[str]):
+    arrival = time.perf_counter()
+    s = get_state(request)
+    ids = [s.encode(p) for p in prompts]
+    # The origin had no context limit to speak of: stop at the context rather than refuse
+    # (a prompt that fills the context alone is still refused, by the engine).
+    params = [SamplingParams(max_tokens=min(body.max_tokens, max(1, s.max_model_len - len(p))),
+                             temperature=body.temperature) for p in ids]
+    _, sub = await s.submit(ids, params, arrival, "gen")
+    return sub
+
+
+async def _texts(sub) -> list[str]:
+    return [out.text for out in await sub.collect()]
+
+
+@router.post("/basic_generate")
+async def basic_generate(body: BasicGenerateRequest, request: Request):
+    sub = await _submit(request, body, [body.prompt])
+
+    async def work():
+        return JSONResponse({"generated_text": (await _texts(sub))[0]})
+    return await unless_disconnected(request, work())
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request):
+    sub = await _submit(request, body, body.prompts)
+
+    async def work():
+        return JSONResponse({"generated_texts": await _texts(sub)})   # in input order
+    return await unless_disconnected(request, work())
+
+
+@router.post("/generate_stream")
+async def generate_stream(body: GenerateStreamRequest, request: Request):
+    sub = await _submit(request, body, [body.prompt])
+
+    async def events():
+        # The origin's stream is only token events; it ends when the response ends.
+        try:
+            async for out in sub.outputs():
+                if out.new_text:
+                    yield sse({"token": out.new_text, "sequence_id": out.request_id})
+        except APIError as e:
+            yield sse({"error": e.message, "sequence_id": sub.request_ids[0]})
+        finally:
+            sub.cancel()
+    return sse_response(events())

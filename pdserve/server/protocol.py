@@ -1,0 +1,133 @@
+"""Request bodies of every endpoint, as pydantic models.
+
+Pydantic checks shapes and types only; the numeric ranges of sampling fields are checked
+once, by SamplingParams, so the offline LLM and the server accept exactly the same values.
+Unknown fields are ignored, as OpenAI's own server does for fields it does not know.
+"""
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """What completions and chat share. None means "the SamplingParams default"."""
+    model: str | None = None
+    n: int = Field(1, ge=1, le=64)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM extensions
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_kwargs(self) -> dict:
+        """SamplingParams keyword arguments, without max_tokens, logprobs and seed (set per choice)."""
+        fields = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                  "min_tokens", "repetition_penalty", "stop", "stop_token_ids")
+        kw = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        kw.update(ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+                  skip_special_tokens=self.skip_special_tokens)
+        return kw
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = Field(..., description="a string, a list of strings, a list of token ids or a list of them")
+    max_tokens: int | None = 16   # OpenAI's default for the legacy completions endpoint
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v):
+        def ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        if isinstance(v, list) and not v:
+            raise ValueError("must not be an empty list")
+        if isinstance(v, str) or ids(v):
+            return v
+        if isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(ids(p) for p in v)):
+            return v
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict:
+        # Templates expect content as one string; text parts are joined as OpenAI does.
+        content = self.content if isinstance(self.content, str) or self.content is None else \
+            "\n".join(p.text for p in self.content)
+        d = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = None                # deprecated by OpenAI in favour of the next one
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# ---- the origin server's endpoints (field names are theirs)
+
+class _OriginFields(BaseModel):
+    max_tokens: int = 64
+    temperature: float = 0.0    # greedy: the origin server decoded greedily
+
+
+class BasicGenerateRequest(_OriginFields):
+    prompt: str
+
+
+class GenerateRequest(_OriginFields):
+    prompts: list[str] = Field(..., min_length=1)
+
+
+class GenerateStreamRequest(_OriginFields):
+    prompt: str
+
+
+# ---- utilities
+
+class TokenizeRequest(BaseModel):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # only with messages
+    add_special_tokens: bool = True     # only with prompt
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[int]

@@ -1,0 +1,84 @@
+"""What every handler needs: the engine, its tokenizer, the server's limits, and the checks
+that turn a request body into engine requests (prompt ids plus SamplingParams)."""
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from pdserve.errors import RequestError
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.async_engine import AsyncEngine, Submission
+from pdserve.server.errors import APIError
+from pdserve.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    max_waiting: int = 256
+    max_body_bytes: int = 1 << 20
+    max_stop_strings: int = 16
+    api_key: str | None = None
+
+
+class ServerState:
+    def __init__(self, engine, config: ServerConfig):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.config = config
+        self.max_model_len = engine.max_model_len
+        self.metrics = ServerMetrics()
+        self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics)
+        self.created = int(time.time())
+
+    # ---- checks
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.config.served_model_name}`", param="model", code="model_not_found")
+
+    def check_stop(self, stop: list[str]) -> None:
+        if len(stop) > self.config.max_stop_strings:
+            raise RequestError(f"at most {self.config.max_stop_strings} stop strings are allowed, got {len(stop)}",
+                               param="stop")
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        if not text:
+            raise RequestError(f"{param} must not be empty", param=param)
+        return self.tokenizer.encode(text)
+
+    def prompt_ids(self, prompt) -> list[list[int]]:
+        """Completions' prompt (string, strings, ids or lists of ids; shape checked by pydantic) as id lists."""
+        if isinstance(prompt, str):
+            return [self.encode(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [self.encode(p) for p in prompt]
+        if all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        for p in prompt:
+            if not p:
+                raise RequestError("prompt must not be empty", param="prompt")
+        return prompt   # the engine checks the ids against the model's vocabulary
+
+    def sampling_params(self, n: int, seed: int | None, **kwargs) -> list[SamplingParams]:
+        """One SamplingParams per choice. A seeded request's choice i gets seed + i: the choices
+        differ, and the same request gives the same choices again."""
+        return [SamplingParams(seed=None if seed is None else seed + i, **kwargs) for i in range(n)]
+
+    # ---- submitting
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
+                     arrival_time: float, prefix: str) -> tuple[str, Submission]:
+        """Engine request `{id}-{i}` for the i-th (prompt, params) pair: choice i of the response."""
+        if len(prompts) > self.config.max_waiting:   # would be refused however empty the queue
+            raise RequestError(f"this request needs {len(prompts)} sequences (prompts x n) but at most "
+                               f"{self.config.max_waiting} can wait (--max-waiting)", param="n")
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        return request_id, await self.async_engine.submit(prompts, params, ids, arrival_time)
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.pdserve

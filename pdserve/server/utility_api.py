@@ -1,0 +1,58 @@
+"""Endpoints around generation: tokenize, detokenize, health, version, metrics."""
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve import __version__
+from pdserve.errors import RequestError
+from pdserve.server.errors import error_body
+from pdserve.server.metrics import CONTENT_TYPE
+from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pdserve.server.state import get_state
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    s = get_state(request)
+    if (body.prompt is None) == (body.messages is None):
+        raise RequestError("give exactly one of `prompt` and `messages`", param="prompt")
+    if body.messages is not None:
+        try:
+            tokens = s.tokenizer.encode_chat([m.as_template_dict() for m in body.messages],
+                                             add_generation_prompt=body.add_generation_prompt)
+        except ValueError as e:
+            raise RequestError(str(e), param="messages") from None
+    else:
+        tokens = s.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": s.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    tok = get_state(request).tokenizer
+    bad = [i for i in body.tokens if not 0 <= i < tok.vocab_size]
+    if bad:   # the tokenizer would silently drop them
+        raise RequestError(f"tokens has ids outside the vocabulary [0, {tok.vocab_size}): {bad[:5]}", param="tokens")
+    return {"prompt": tok.decode(body.tokens)}
+
+
+@router.get("/health")
+async def health(request: Request):
+    engine = get_state(request).async_engine
+    if not engine.alive:
+        why = f"engine loop failed: {engine.error!r}" if engine.error else "engine loop is not running"
+        return JSONResponse(error_body(why, type="server_error", code="engine_dead"), status_code=503)
+    if not engine.accepting:   # draining after SIGTERM: tell load balancers to go elsewhere
+        return JSONResponse(error_body("shutting down", type="server_error", code="shutting_down"), status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/version")
+async def version():
+    return {"version": __version__}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,56 @@
+"""SIGTERM: stop admitting, let running requests finish (up to --shutdown-timeout), exit 0."""
+import concurrent.futures as cf
+import json
+import signal
+import time
+
+import httpx
+
+
+def stream_events(url: str, body: dict, started: cf.Future) -> tuple[list, bool]:
+    """(events, completed): the parsed data events of a completions stream; completed = it ended cleanly."""
+    events = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                    if not started.done():
+                        started.set_result(True)
+        return events, True
+    except httpx.TransportError:   # cut off when the shutdown timeout expired
+        return events, False
+
+
+def test_sigterm_lets_running_streams_finish_then_exits_0(start_server, make_tiny):
+    # OPT: another family, and a checkpoint without a chat template. A longer context than the
+    # shared tiny model's, so that one request can outlast the shutdown timeout.
+    model = make_tiny("opt", max_position_embeddings=4096)
+    server = start_server(model, "--shutdown-timeout", "3", "--max-num-seqs", "4")
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 4}).json()
+    rendered = httpx.post(server.url + "/tokenize", json={"prompt": "user: Hello\nassistant:"}).json()
+    assert chat["usage"]["prompt_tokens"] == rendered["count"]   # the tokenizer's plain fallback template
+    short = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+             "stream_options": {"include_usage": True}}
+    endless = {"prompt": "Far away", "max_tokens": 4000, "ignore_eos": True}   # several seconds of decoding
+    with cf.ThreadPoolExecutor(2) as pool:
+        started = [cf.Future(), cf.Future()]
+        a = pool.submit(stream_events, server.url, short, started[0])
+        b = pool.submit(stream_events, server.url, endless, started[1])
+        cf.wait(started, timeout=30)
+        server.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        # no longer admitting: either 503 (before the listener closes) or no connection at all
+        try:
+            assert httpx.post(server.url + "/v1/completions", json={"prompt": "Hi"}, timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass
+        events, completed = a.result()
+        assert completed and events[-1] == "[DONE]"
+        assert events[-2]["usage"]["completion_tokens"] == 200
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        cut_events, cut_completed = b.result()
+        assert not cut_completed and 0 < len(cut_events) < 4000
+    assert server.proc.wait(30) == 0
+    assert 2.5 < time.monotonic() - t0 < 20   # waited for the timeout, then cancelled the endless one
