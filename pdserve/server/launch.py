@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are cancelled "
                         "(default: %(default)s)")
+    g.add_argument("--step-log", default=None, metavar="FILE",
+                   help="append one JSON line per engine step (time, duration, prefill and decode tokens, "
+                        "sequences, preemptions, forward time) to FILE, for `pdserve report` (default: off)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and its access log (default: %(default)s)")
 
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         engine = BACKENDS[args.backend](**engine_kwargs(args), **extra)
     config = ServerConfig(served_model_name=args.served_model_name or engine.model_name,
                           max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                          max_stop_strings=args.max_stop_strings, api_key=args.api_key or None)
+                          max_stop_strings=args.max_stop_strings, api_key=args.api_key or None,
+                          step_log=args.step_log)
     app = build_app(engine, config)
     state = app.state.pdserve
 

@@ -5,6 +5,9 @@ test, can build several apps. Everything is recorded from the engine thread afte
 per-step histograms from engine.last_step, request histograms when a request finishes,
 gauges from engine.get_stats(). prometheus_client is thread-safe.
 """
+import dataclasses
+import json
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
@@ -19,9 +22,11 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self, step_log: str | None = None):
         self.registry = r = CollectorRegistry()
         self._last_step: StepStats | None = None
+        # line-buffered: a crash or SIGKILL still leaves every finished step on disk
+        self._step_log = open(step_log, "a", buffering=1) if step_log else None
 
         def hist(name, doc, buckets):
             return Histogram(f"pdserve:{name}", doc, buckets=buckets, registry=r)
@@ -65,6 +70,8 @@ class ServerMetrics:
             self.step_time.observe(step.duration)
             if step.num_preemptions:
                 self.preemptions.inc(step.num_preemptions)
+            if self._step_log is not None:
+                self._step_log.write(json.dumps(dataclasses.asdict(step)) + "\n")
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

@@ -20,6 +20,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_stop_strings: int = 16
     api_key: str | None = None
+    step_log: str | None = None   # JSONL file: one line per engine step (for `pdserve report`)
 
 
 class ServerState:
@@ -28,7 +29,7 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         self.config = config
         self.max_model_len = engine.max_model_len
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.step_log)
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics)
         self.created = int(time.time())
 

@@ -101,6 +101,10 @@ def start_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server(start_server, tiny_llama):
-    """The shared server most tests talk to: the tiny llama checkpoint with default limits."""
-    return start_server(tiny_llama)
+def server(start_server, tiny_llama, tmp_path_factory):
+    """The shared server most tests talk to: the tiny llama checkpoint with default limits,
+    writing its step log to `server.step_log`."""
+    step_log = str(tmp_path_factory.mktemp("steps") / "steps.jsonl")
+    s = start_server(tiny_llama, "--step-log", step_log)
+    s.step_log = step_log
+    return s
