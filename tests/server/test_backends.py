@@ -88,8 +88,9 @@ def test_static_request_arriving_during_a_batch_waits_for_it(backends):
     for t in threads:
         t.join()
     assert done and max(done) > sent
-    # it could not be scheduled before the batch's generate() call returned
-    assert late["metrics"]["queue_time_s"] >= max(done) - sent - 0.05
+    # It could not be scheduled before the batch's generate() call returned. (The clients see the
+    # batch end a little after the server does, hence the margin; a continuous batcher gives ~0.)
+    assert late["metrics"]["queue_time_s"] >= 0.8 * (max(done) - sent) - 0.05
 
 
 def test_baselines_refuse_what_they_cannot_do(backends):

@@ -1,4 +1,4 @@
-"""Every curl example in docs/API.md works as written (pointed at the test server's port)."""
+"""Every curl example in docs/API.md and README.md works as written (pointed at the test server's port)."""
 import os
 import re
 import shutil
@@ -7,15 +7,17 @@ import sys
 
 import pytest
 
-DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "API.md")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+DOC = os.path.join(ROOT, "docs", "API.md")
+README = os.path.join(ROOT, "README.md")
 
 
-def curl_examples() -> list[str]:
-    with open(DOC) as f:
+def curl_examples(path: str) -> list[str]:
+    with open(path) as f:
         blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
     commands = []
     for block in blocks:
-        if "pdserve serve" in block:   # starts a server: not runnable against ours
+        if "pdserve serve" in block or "curl " not in block:   # starts a server / installs: not runnable here
             continue
         expect_error = "# -> 4" in block
         # one command per `curl`, with its continuation lines; comments are expected output
@@ -25,11 +27,12 @@ def curl_examples() -> list[str]:
     return commands
 
 
-EXAMPLES = curl_examples()
+EXAMPLES = curl_examples(DOC) + curl_examples(README)
 
 
-def test_the_docs_have_examples_for_every_endpoint():
-    text = " ".join(cmd for cmd, _ in EXAMPLES)
+@pytest.mark.parametrize("doc", [DOC, README])
+def test_the_docs_have_examples_for_every_endpoint(doc):
+    text = " ".join(cmd for cmd, _ in curl_examples(doc))
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/basic_generate", "/generate ",
                  "/generate_stream", "/tokenize", "/detokenize", "/health", "/version", "/metrics"):
         assert "127.0.0.1:8000" + path.strip() in text, path
