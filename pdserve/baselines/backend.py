@@ -1,6 +1,7 @@
 """What the baseline backends share: a transformers model, our tokenizer and output processor,
 a FIFO queue of Sequences, aborts, stats."""
 import collections
+import logging
 import os
 import time
 
@@ -14,6 +15,8 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("pdserve.baselines")
 
 
 class HFBackend:
@@ -79,7 +82,17 @@ class HFBackend:
     def step(self) -> list[RequestOutput]:
         outputs = [self._finish(seq, []) for seq in self._aborted]
         self._aborted = []
-        return outputs + self._step()
+        try:
+            return outputs + self._step()
+        except Exception:
+            # as in the engine: a failed model call fails only the requests it was running
+            logger.exception("%s backend step failed; failing its %d requests", self.name, len(self.running))
+            now = time.perf_counter()
+            for seq in list(self.running):
+                self.running.remove(seq)
+                self._set_finished(seq, "error", now)
+                outputs.append(self._finish(seq, []))
+            return outputs
 
     def _step(self) -> list[RequestOutput]:
         raise NotImplementedError

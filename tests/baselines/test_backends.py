@@ -125,3 +125,17 @@ def test_abort_while_waiting(tiny_llama, prompts):
     assert sorted(o.request_id for o in outs[1:]) == ["0", "1"] and backend.num_model_calls == 1
     assert all(o.finished and o.finish_reason == "length" for o in outs[1:])
     assert not backend.has_unfinished_requests() and not backend.seqs
+
+
+def test_a_failing_generate_call_fails_only_its_batch(tiny_llama, prompts):
+    backend = StaticBackend(tiny_llama, batch_size=2)
+    real = backend.model.generate
+    backend.model.generate = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+    for i in range(3):
+        backend.add_request(str(i), prompts[i], GREEDY)
+    outs = backend.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("0", "error"), ("1", "error")]
+    backend.model.generate = real
+    (last,) = backend.step()
+    assert last.request_id == "2" and last.finish_reason == "length"
+    assert not backend.has_unfinished_requests() and not backend.seqs

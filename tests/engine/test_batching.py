@@ -123,3 +123,19 @@ def test_kv_cache_sizing(path):
     assert by_memory.runner.kv_cache.numel() * by_memory.runner.kv_cache.element_size() == 5 * per_block
     with pytest.raises(ValueError, match="holds no block"):
         LLMEngine(path, kv_cache_memory=per_block - 1, block_size=8)
+
+
+def test_a_failing_step_fails_only_its_requests(path, prompts):
+    engine = LLMEngine(path, max_num_batched_tokens=64)
+    engine.add_request("a", prompts[0], GREEDY)
+    engine.add_request("b", prompts[1], GREEDY)
+    real = engine.runner.execute
+    engine.runner.execute = lambda *a: (_ for _ in ()).throw(RuntimeError("injected"))
+    outs = engine.step()
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
+    assert all(o.finished for o in outs)
+    engine.block_manager.check_all_free()
+    engine.runner.execute = real
+    engine.add_request("c", prompts[0], GREEDY)
+    final = run_to_end(engine, {})
+    assert final["c"].finish_reason == "length" and len(final["c"].token_ids) == GREEDY.max_tokens
