@@ -39,7 +39,10 @@ def completion_logprobs(tok, token_ids: list[int], logprobs: list[dict], k: int,
         s = tok.decode([tid], skip_special_tokens=False)
         res["tokens"].append(s)
         res["token_logprobs"].append(_finite(lp[tid]))
-        res["top_logprobs"].append({tok.decode([i], skip_special_tokens=False): _finite(v) for i, v in _top(lp, k)})
+        top = {}
+        for i, v in _top(lp, k):   # best first: ids that decode to the same string keep the best value
+            top.setdefault(tok.decode([i], skip_special_tokens=False), _finite(v))
+        res["top_logprobs"].append(top)
         res["text_offset"].append(offset)
         offset += len(s)
     return res
@@ -108,7 +111,10 @@ async def _completion_response(s, body, sub, head, prompts, echo) -> JSONRespons
 
 async def _completion_events(s, body, sub, head, prompts, echo):
     try:
-        offsets = [len(e) for e in echo]   # text sent so far per choice, for logprobs' text_offset
+        # per choice, for logprobs' text_offset: advanced by each token's own text, as the
+        # non-streamed response counts it (a token's text and the stream's text differ when
+        # tokens split a character)
+        offsets = [len(e) for e in echo]
         for i, text in enumerate(echo):
             if text:
                 yield sse({**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]})
@@ -119,11 +125,13 @@ async def _completion_events(s, body, sub, head, prompts, echo):
             if body.logprobs is not None and out.new_token_ids:
                 choice["logprobs"] = completion_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
                                                          body.logprobs, offsets[i])
-            offsets[i] += len(out.new_text)
+                offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
             if out.finished:
                 choice.update(_ending(out))
                 generated += len(out.token_ids)
-            if out.new_text or out.finished or choice["logprobs"]:
+            # one event per new token, even when its text is still empty (part of a character,
+            # or held back as a possible stop string), as vLLM does: clients time tokens by events
+            if out.new_token_ids or out.new_text or out.finished:
                 yield sse({**head, "choices": [choice]})
         if body.include_usage:
             yield sse({**head, "choices": [], "usage": _usage(prompts, generated)})
@@ -190,7 +198,9 @@ async def _chat_events(s, body, sub, head, prompt):
             if out.finished:
                 choice.update(_ending(out))
                 generated += len(out.token_ids)
-            if out.new_text or out.finished or choice["logprobs"]:
+            # one event per new token, even when its text is still empty (part of a character,
+            # or held back as a possible stop string), as vLLM does: clients time tokens by events
+            if out.new_token_ids or out.new_text or out.finished:
                 yield sse({**head, "choices": [choice]})
         if body.include_usage:
             yield sse({**head, "choices": [], "usage": _usage([prompt], generated)})
