@@ -196,7 +196,7 @@ def plot_weather_day(rng, a, b):
         f"But when {a.he} looked out the window, {pick(rng, 'it was raining hard', 'the wind was too strong', 'snow covered the ground')}.",
         f"\"Oh no,\" said {a.name}. \"Now we cannot {act}.\"",
         f"\"Don't be {rng.choice(FEELINGS_BAD)},\" said {b.name}. \"We can {act2} instead.\"",
-        f"So they did. They had so much fun that they forgot about the weather.",
+        "So they did. They had so much fun that they forgot about the weather.",
         f"When the day was over, {a.name} said, \"That was a good day after all.\"",
     ]
 
@@ -212,7 +212,7 @@ def plot_animal_friend(rng, a, b):
         f"One day, {a.name} met {b.name}, who was {b.intro.split(' named ')[0]}.",
         f"\"{a.sound.capitalize()}!\" said {a.name}. \"Hello!\" said {b.name}. \"Do you want to be my friend?\"",
         f"{a.name} was {pick(rng, 'shy', 'not sure', 'a little afraid')} at first. But {b.name} was kind.",
-        f"They played all day. They ran, they jumped, and they laughed.",
+        "They played all day. They ran, they jumped, and they laughed.",
         f"When the sun went down, {a.name} went back to {a.home}. {a.He} could not wait to play again tomorrow.",
     ]
 
