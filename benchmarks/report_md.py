@@ -125,7 +125,7 @@ def write_doc(path: str, summary: dict) -> None:
     ]
     for model_key, model_dir in summary["models"].items():
         lines += [f"## Model: {model_key} (`{shown([model_dir])}`)", ""]
-        for wl in summary["workloads"][model_key]:
+        for wl in summary["workloads"].get(model_key, []):   # a partial run has not reached every model
             wl = Workload(**wl)
             recs = [r for r in summary["runs"] if r["model"] == model_key and r["workload"] == wl.name]
             if not recs:
