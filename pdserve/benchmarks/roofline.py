@@ -137,7 +137,7 @@ def time_step(engine, seqs: list[tuple[int, int]], ids: list[int], repeats: int)
             sched.add(seq, q)
         for r in range(repeats + 1):
             t0 = time.perf_counter()
-            runner.execute(sched, bm)
+            runner.execute(sched)
             if r:
                 execute.append(time.perf_counter() - t0)
                 forward.append(runner.last_forward_time)

@@ -74,7 +74,7 @@ class LLMEngine:
         if not sched.seqs:
             return outputs
         try:
-            sampled = self.runner.execute(sched, self.block_manager)
+            sampled = self.runner.execute(sched)
         except Exception:
             # A failed forward fails only the requests in this step; the engine keeps serving.
             logger.exception("engine step failed; failing its %d requests", len(sched.seqs))

@@ -9,9 +9,7 @@ import time
 import torch
 
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.sequence import Sequence
 from pdserve.layers.attention import AttentionMetadata, PagedAttention, attention_context, build_group
 from pdserve.layers.sampler import Sampler
 from pdserve.loader import load_model
@@ -62,7 +60,7 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
-    def prepare(self, sched: SchedulerOutput, bm: BlockManager):
+    def prepare(self, sched: SchedulerOutput):
         """Flat inputs for the step, and which flat rows need logits (with their sequences)."""
         input_ids, positions, slots = [], [], []
         groups = {True: ([], [], [], []), False: ([], [], [], [])}  # decode? -> q_lens, starts, ctx, tables
@@ -91,9 +89,9 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, logit_rows, sample_seqs)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, bm: BlockManager):
+    def execute(self, sched: SchedulerOutput):
         """Run the step. Returns [(seq, token, logprobs)] for the sequences that sample."""
-        input_ids, positions, meta, logit_rows, sample_seqs = self.prepare(sched, bm)
+        input_ids, positions, meta, logit_rows, sample_seqs = self.prepare(sched)
         t0 = time.perf_counter()
         with attention_context(meta):
             hidden = self.model(input_ids, positions)
@@ -107,8 +105,8 @@ class ModelRunner:
         return list(zip(sample_seqs, tokens, logprobs))
 
     @torch.inference_mode()
-    def forward_logits(self, sched: SchedulerOutput, bm: BlockManager) -> torch.Tensor:
+    def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
         """All-position logits of one step (for tests comparing against a reference)."""
-        input_ids, positions, meta, _, _ = self.prepare(sched, bm)
+        input_ids, positions, meta, _, _ = self.prepare(sched)
         with attention_context(meta):
             return self.model.compute_logits(self.model(input_ids, positions)).float()

@@ -38,8 +38,6 @@ class OutputProcessor:
                                f"context length of {limit} tokens", param="max_tokens")
         seq = Sequence(request_id, ids, params, arrival_time)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        seq.text = ""
-        seq.sent_text_len = 0
         return seq
 
     def append_token(self, seq: Sequence, token: int, logprobs: dict | None, now: float) -> None:

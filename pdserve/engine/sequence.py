@@ -37,6 +37,10 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # per-request RNG: a seeded request samples the same tokens whatever else is in the batch
         self.generator: torch.Generator | None = None
+        # set by the OutputProcessor: generated text so far, and how much of it was streamed
+        self.detokenizer = None
+        self.text = ""
+        self.sent_text_len = 0
 
     @property
     def num_tokens(self) -> int:

@@ -62,7 +62,7 @@ def chunked_logits(engine, ids: list[int], chunk: int) -> torch.Tensor:
             bm.allocate(seq, seq.num_computed_tokens + n)
             sched = SchedulerOutput()
             sched.add(seq, n)
-            out.append(engine.runner.forward_logits(sched, bm))
+            out.append(engine.runner.forward_logits(sched))
             seq.num_computed_tokens += n
     finally:
         bm.free(seq)
