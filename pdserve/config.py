@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.checkpoint_files import checkpoint_file
 from pdserve.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("OPTForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -33,9 +34,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
-        file = os.path.join(path, "config.json")
-        if not os.path.isdir(path):
+        if not os.path.isdir(path):   # never a hub name: nothing is downloaded
             raise CheckpointError(f"{path}: not a directory")
+        file = checkpoint_file(path, "config.json")
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: missing (an HF checkpoint directory needs config.json)")
         try:
@@ -44,8 +45,8 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{file}: not valid JSON ({e})") from None
         if raw.get("auto_map"):
-            raise CheckpointError(f"{file}: declares auto_map (custom remote code); pdserve runs no code "
-                                  "from checkpoints")
+            raise CheckpointError(f"{file}: declares auto_map, i.e. needs its own Python code (trust_remote_code); "
+                                  "pdserve runs no code from checkpoints, only its built-in architectures")
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -119,6 +120,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     seed: int = 0
+    quantization: str | None = None     # "int8": weight-only int8 linears (CPU packed kernel)
+    cpu_kernels: bool | None = None     # pdserve/kernels on CPU; None = use them where they build
+    profile_steps: int | None = None    # keep per-step phase timings; log a summary every N steps (0: never)
 
     def __post_init__(self):
         if self.device is None:
@@ -136,6 +140,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
+        if self.quantization and (self.device != "cpu" or self.cpu_kernels is False):
+            raise ValueError("--quantization int8 runs on pdserve's CPU linear kernel: it needs --device cpu "
+                             "and --cpu-kernels")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in every step, or some would stall
             logging.getLogger("pdserve").warning("max_num_seqs %d capped at max_num_batched_tokens %d",

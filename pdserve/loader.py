@@ -6,6 +6,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pdserve.checkpoint_files import checkpoint_file
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
 from pdserve.layers.rotary import RotaryEmbedding
@@ -15,15 +16,17 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints save
 
 
 def weight_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    single = os.path.join(path, "model.safetensors")
+    index = checkpoint_file(path, "model.safetensors.index.json")
+    single = checkpoint_file(path, "model.safetensors")
     if os.path.isfile(index):
         try:
             with open(index) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: unreadable shard index ({e})") from None
-        files = [os.path.join(path, s) for s in shards]
+        if not all(isinstance(s, str) for s in shards):
+            raise CheckpointError(f"{index}: weight_map values must be file names")
+        files = [checkpoint_file(path, s) for s in shards]
         for f in files:
             if not os.path.isfile(f):
                 raise CheckpointError(f"{f}: missing (listed in model.safetensors.index.json)")
@@ -44,7 +47,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Mo
             m.init_buffers(device)
     tied = cfg.tie_word_embeddings
     if tied:  # to_empty gives each module its own tensor: tie again
-        model.lm_head.weight = model.get_submodule(_embed_name(cfg)).weight
+        model.lm_head.weight = model.get_submodule(embed_module_name(cfg)).weight
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = set()
     files = weight_files(cfg.path)
@@ -72,5 +75,5 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Mo
     return model.eval()
 
 
-def _embed_name(cfg: ModelConfig) -> str:
+def embed_module_name(cfg: ModelConfig) -> str:
     return "model.decoder.embed_tokens" if cfg.architecture == "OPTForCausalLM" else "model.embed_tokens"

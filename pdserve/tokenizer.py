@@ -16,6 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _RustTokenizer
 
+from pdserve.checkpoint_files import checkpoint_file
 from pdserve.errors import CheckpointError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -102,17 +103,17 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str) -> "Tokenizer":
-        tok_file = os.path.join(path, "tokenizer.json")
+        tok_file = checkpoint_file(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
             raise CheckpointError(f"{tok_file}: file not found (a HF fast tokenizer is required)")
         try:
             backend = _RustTokenizer.from_file(tok_file)
         except Exception as e:
             raise CheckpointError(f"{tok_file}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-        config = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
-        gen_config = _read_json(os.path.join(path, "generation_config.json")) or {}
+        config = _read_json(checkpoint_file(path, "tokenizer_config.json")) or {}
+        gen_config = _read_json(checkpoint_file(path, "generation_config.json")) or {}
         template = _chat_template_from_config(config.get("chat_template"))
-        jinja_file = os.path.join(path, "chat_template.jinja")
+        jinja_file = checkpoint_file(path, "chat_template.jinja")
         if os.path.isfile(jinja_file):  # transformers prefers the separate file when both exist
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()

@@ -13,6 +13,7 @@ from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.errors import RequestError
+from pdserve.loader import weight_files
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
@@ -34,8 +35,10 @@ class HFBackend:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
         self.device = torch.device(self.config.device)
+        weight_files(model)   # the engine's checks: weights only from inside the directory, no .bin
         self.model = AutoModelForCausalLM.from_pretrained(
-            model, dtype=self.config.torch_dtype(self.model_config), trust_remote_code=False).to(self.device).eval()
+            model, dtype=self.config.torch_dtype(self.model_config), trust_remote_code=False,
+            local_files_only=True).to(self.device).eval()
         # We decide when to stop (EOS, stop tokens, ignore_eos); generate() must not fall back to
         # the checkpoint's EOS when a request passes none.
         self.model.generation_config.eos_token_id = None

@@ -25,6 +25,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight-only int8 linears (per-channel scales; CPU only; docs/BENCHMARKS.md has its "
+                        "speed and accuracy)")
+    g.add_argument("--cpu-kernels", default=None, action=argparse.BooleanOptionalAction,
+                   help="CPU: run linears on pre-packed weights and decode attention on pdserve's own kernels "
+                        "(default: yes where they build: x86 with AVX-512 and a C++ compiler); "
+                        "--no-cpu-kernels uses torch's ops")
+    g.add_argument("--profile-steps", type=int, default=None, metavar="N",
+                   help="step profiler: log where engine steps spend their time (schedule, prepare, forward, "
+                        "sample, output; overhead = all but the forward) every N steps")
+    # vLLM's and transformers' flag, refused with a one-line error rather than "unrecognized arguments"
+    g.add_argument("--trust-remote-code", nargs=0, action=_RefuseRemoteCode, help=argparse.SUPPRESS)
+
+
+class _RefuseRemoteCode(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(2, f"{parser.prog}: error: --trust-remote-code is not supported: pdserve never runs code "
+                       "from checkpoints (supported architectures are built in)\n")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -32,4 +50,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len, seed=args.seed)
+                max_model_len=args.max_model_len, seed=args.seed,
+                quantization=args.quantization, cpu_kernels=args.cpu_kernels,
+                profile_steps=args.profile_steps)

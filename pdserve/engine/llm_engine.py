@@ -5,13 +5,15 @@ Not thread-safe: one thread calls add_request/abort_request/step (the server's e
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.profiler import StepProfiler
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
@@ -35,6 +37,11 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.last_step: StepStats | None = None
+        self.profiler = StepProfiler(self.config.profile_steps) if self.config.profile_steps is not None else None
+        # Fault injection, for tests only: called with each step's SchedulerOutput before the
+        # forward. An Exception it raises fails that step's requests like a real failure; a
+        # BaseException escapes step(), as a fatal error would (the server's loop dies).
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
@@ -70,33 +77,54 @@ class LLMEngine:
         outputs = [self._finish(seq, None) for seq in self._aborted]
         self._aborted = []
         start = time.perf_counter()
-        sched = self.scheduler.schedule(start)
-        if not sched.seqs:
-            return outputs
+        sched = None
         try:
+            sched = self.scheduler.schedule(start)
+            scheduled = time.perf_counter()
+            if not sched.seqs:
+                return outputs
+            if self.fault_hook is not None:
+                self.fault_hook(sched)
             sampled = self.runner.execute(sched)
-        except Exception:
-            # A failed forward fails only the requests in this step; the engine keeps serving.
-            logger.exception("engine step failed; failing its %d requests", len(sched.seqs))
+            for seq, n in zip(sched.seqs, sched.num_tokens):
+                seq.num_computed_tokens += n
             now = time.perf_counter()
-            for seq in sched.seqs:
-                self.scheduler.finish(seq, "error")
-                seq.metrics.finished_time = now
-                outputs.append(self._finish(seq, None))
+            for seq, token, logprobs in sampled:
+                self.processor.append_token(seq, token, logprobs, now)
+                if seq.finish_reason is not None:
+                    self.scheduler.finish(seq, seq.finish_reason)   # frees its blocks in this step
+                    outputs.append(self._finish(seq, token))
+                else:
+                    outputs.append(self.processor.make_output(seq, [token]))
+        except Exception:
+            # Whatever failed (scheduling, forward, sampling, detokenizing, stop checks), only the
+            # requests in this step fail; the engine keeps serving. If scheduling itself failed,
+            # the step's requests are not known: the running ones are failed.
+            failed = list(self.scheduler.running) if sched is None else sched.seqs
+            logger.exception("engine step failed; failing its %d requests", len(failed))
+            self._fail(failed, outputs)
             return outputs
-        for seq, n in zip(sched.seqs, sched.num_tokens):
-            seq.num_computed_tokens += n
-        now = time.perf_counter()
-        for seq, token, logprobs in sampled:
-            self.processor.append_token(seq, token, logprobs, now)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq, seq.finish_reason)   # frees its blocks in this step
-                outputs.append(self._finish(seq, token))
-            else:
-                outputs.append(self.processor.make_output(seq, [token]))
-        self.last_step = StepStats(start, time.perf_counter() - start, len(sched.seqs), sched.num_prefill_tokens,
-                                   sched.num_decode_tokens, len(sched.preempted), self.runner.last_forward_time)
+        end = time.perf_counter()
+        phases = {"schedule": scheduled - start, **self.runner.last_times}
+        phases["output"] = end - start - sum(phases.values())
+        self.last_step = StepStats(start, end - start, len(sched.seqs), sched.num_prefill_tokens,
+                                   sched.num_decode_tokens, len(sched.preempted), self.runner.last_forward_time, phases)
+        if self.profiler is not None:
+            self.profiler.add(self.last_step)
         return outputs
+
+    def _fail(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
+        """Finish with "error" (blocks freed) each of `seqs` not already finished in this step.
+
+        An exception in here (e.g. a block freed twice) leaves the engine inconsistent: it
+        propagates, and the server's engine loop dies and reports it."""
+        now = time.perf_counter()
+        for seq in seqs:
+            if seq.is_finished or seq.request_id not in self.seqs:
+                continue
+            self.scheduler.finish(seq, "error")
+            seq.metrics.finished_time = now
+            outputs.append(self._finish(seq, None))
 
     def _finish(self, seq: Sequence, token: int | None) -> RequestOutput:
         del self.seqs[seq.request_id]

@@ -10,9 +10,11 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kernels import cpu_ops
 from pdserve.layers.attention import AttentionMetadata, PagedAttention, attention_context, build_group
 from pdserve.layers.sampler import Sampler
-from pdserve.loader import load_model
+from pdserve.layers.packed_linear import pack_model
+from pdserve.loader import embed_module_name, load_model
 
 DEFAULT_KV_CACHE_CAP = 4 << 30  # bytes, when neither --num-kv-blocks nor --kv-cache-memory is given
 
@@ -25,11 +27,27 @@ class ModelRunner:
         self.dtype = config.torch_dtype(model_config)
         self.block_size = config.block_size
         self.model = load_model(model_config, self.dtype, config.device)
+        self.weight_format = self._pack_linears()
         self.num_blocks = self._num_blocks(max_model_len)
         self._allocate_kv_cache()
         self.sampler = Sampler(eos_token_ids, self.device, config.seed)
         self.sliding_window = model_config.sliding_window
         self.last_forward_time = 0.0
+        self.last_times: dict[str, float] = {}
+
+    def _pack_linears(self) -> str:
+        """Swap the linears onto the CPU packed kernel where it helps and builds; the format used."""
+        c = self.config
+        if self.device.type != "cpu" or c.cpu_kernels is False or self.dtype == torch.float16:
+            return "torch"
+        if cpu_ops() is None:
+            if c.cpu_kernels or c.quantization:
+                raise RuntimeError("pdserve's CPU kernels could not be built (see the warning above)")
+            return "torch"
+        fmt = c.quantization or ("bf16" if self.dtype == torch.bfloat16 else "fp32")
+        embed = embed_module_name(self.model_config) if self.model_config.tie_word_embeddings else None
+        pack_model(self.model, fmt, embed)
+        return fmt
 
     @property
     def bytes_per_block(self) -> int:
@@ -57,8 +75,11 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         layers = [mod for mod in self.model.modules() if isinstance(mod, PagedAttention)]
         assert len(layers) == m.num_layers
+        use_kernel = self.weight_format != "torch" and m.head_dim % 16 == 0
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.sliding_window = m.sliding_window
+            layer.cpu_ops = cpu_ops() if use_kernel else None
 
     def prepare(self, sched: SchedulerOutput):
         """Flat inputs for the step, and which flat rows need logits (with their sequences)."""
@@ -90,19 +111,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput):
-        """Run the step. Returns [(seq, token, logprobs)] for the sequences that sample."""
-        input_ids, positions, meta, logit_rows, sample_seqs = self.prepare(sched)
+        """Run the step. Returns [(seq, token, logprobs)] for the sequences that sample.
+        Times its phases into last_times (prepare, forward, sample), in seconds."""
         t0 = time.perf_counter()
+        input_ids, positions, meta, logit_rows, sample_seqs = self.prepare(sched)
+        t1 = self._now()
         with attention_context(meta):
             hidden = self.model(input_ids, positions)
         logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.last_forward_time = time.perf_counter() - t0
-        if logits is None:
-            return []
-        tokens, logprobs = self.sampler(logits, sample_seqs)
-        return list(zip(sample_seqs, tokens, logprobs))
+        t2 = self._now()
+        self.last_forward_time = t2 - t1
+        result = []
+        if logits is not None:
+            tokens, logprobs = self.sampler(logits, sample_seqs)
+            result = list(zip(sample_seqs, tokens, logprobs))
+        self.last_times = {"prepare": t1 - t0, "forward": t2 - t1, "sample": self._now() - t2}
+        return result
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":   # kernels are asynchronous: wait, or time lands in the wrong phase
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     @torch.inference_mode()
     def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:

@@ -95,7 +95,7 @@ class OutputProcessor:
         new_text = seq.text[seq.sent_text_len:upto]
         seq.sent_text_len = upto
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, text=seq.text, new_token_ids=new_tokens, new_text=new_text,
             logprobs=None if seq.logprobs is None else list(seq.logprobs),
             finished=seq.is_finished, finish_reason=seq.finish_reason, metrics=seq.metrics,

@@ -61,7 +61,7 @@ class RequestMetrics:
 class RequestOutput:
     """The state of one request after a step. `new_*` is what this step added."""
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]      # shared by all outputs of the request: do not mutate
     token_ids: list[int]            # all generated so far
     text: str                       # all generated text so far (stop string removed)
     new_token_ids: list[int]
@@ -89,6 +89,7 @@ class StepStats:
     num_decode_tokens: int
     num_preemptions: int
     forward_time: float   # time inside the model forward (the rest is engine overhead)
+    phases: dict[str, float] | None = None   # seconds per phase (pdserve/engine/profiler.py), engine only
 
 
 @dataclass

@@ -25,6 +25,7 @@ class Sequence:
         self.request_id = request_id
         self.seq_no = next(_counter)          # admission order tiebreak
         self.token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)   # every output shares this one copy
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING

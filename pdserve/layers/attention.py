@@ -22,7 +22,10 @@ class AttentionGroup:
     """Sequences whose queries are padded to the same length for one SDPA call."""
     token_idx: torch.Tensor   # (B, Q) index of each query in the flat batch (padding repeats a valid one)
     query_valid: torch.Tensor  # (B, Q) bool, False on padding
-    kv_slots: torch.Tensor    # (B, K) cache slot of each key position of the sequence (padding: slot 0)
+    block_tables: torch.Tensor  # (B, ceil(K / block_size)) the blocks holding each sequence's keys (padding: 0)
+    num_keys: int             # K: the longest context in the group
+    block_size: int
+    ctx_lens: torch.Tensor    # (B,) int64: keys of each sequence, this step's included
     mask: torch.Tensor        # (B, 1, Q, K) bool: causal within the sequence, False on padding
 
 
@@ -69,13 +72,8 @@ def build_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block
     if sliding_window is not None:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     nb = (K + block_size - 1) // block_size
-    tables = torch.zeros(B, nb, dtype=torch.long)
-    for i, t in enumerate(block_tables):
-        n = min(len(t), nb)
-        tables[i, :n] = torch.tensor(t[:n])
-    kv_slots = (tables[:, :, None] * block_size + torch.arange(block_size)).view(B, -1)[:, :K]
-    kv_slots = torch.where(k_pos[None, :] < ctx_t[:, None], kv_slots, 0)
-    return AttentionGroup(token_idx.to(device), query_valid.to(device), kv_slots.to(device),
+    tables = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables], dtype=torch.long)
+    return AttentionGroup(token_idx.to(device), query_valid.to(device), tables.to(device), K, block_size, ctx_t.to(device),
                           mask[:, None].to(device))
 
 
@@ -86,6 +84,10 @@ class PagedAttention(nn.Module):
         # Set by the model runner once the cache is allocated: (num_slots, Hkv, D) views.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.sliding_window: int | None = None
+        # Set by the model runner on CPU: pdserve.kernels ops, whose decode attention reads the
+        # paged cache in place (no gathered copy, no mask).
+        self.cpu_ops = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, Hkv, D). Returns (T, H * D)."""
@@ -95,11 +97,27 @@ class PagedAttention(nn.Module):
         self.v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for g in meta.groups:
+            if self.cpu_ops is not None and g.token_idx.shape[1] == 1:
+                out[g.token_idx[:, 0]] = self._decode_cpu(q[g.token_idx[:, 0]], g)
+                continue
             qg = q[g.token_idx].transpose(1, 2)                 # (B, H, Q, D)
-            kg = self.k_cache[g.kv_slots].transpose(1, 2)       # (B, Hkv, K, D)
-            vg = self.v_cache[g.kv_slots].transpose(1, 2)
+            kg = self._gather(self.k_cache, g)                  # (B, Hkv, K, D)
+            vg = self._gather(self.v_cache, g)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
                                                 enable_gqa=self.num_heads != self.num_kv_heads)
             og = og.transpose(1, 2)                               # (B, Q, H, D)
             out[g.token_idx[g.query_valid]] = og[g.query_valid]
         return out.reshape(q.shape[0], -1)
+
+    def _decode_cpu(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        out = self.cpu_ops.paged_decode_attention(q.float().contiguous(), self.k_cache, self.v_cache, g.block_tables,
+                                                  g.ctx_lens, g.block_size, self.scale, self.sliding_window or 0)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        """The group's keys (or values) as (B, Hkv, K, D): whole blocks are copied, one row of
+        block_size * Hkv * D elements each, rather than one index per key position."""
+        B, nb = g.block_tables.shape
+        blocks = cache.view(-1, g.block_size * cache.shape[1] * cache.shape[2]).index_select(0, g.block_tables.view(-1))
+        return blocks.view(B, nb * g.block_size, *cache.shape[1:])[:, :g.num_keys].transpose(1, 2)

@@ -9,6 +9,7 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import RequestError
@@ -23,6 +24,18 @@ class EngineDead(APIError):
         super().__init__(503, f"the engine is not running: {why}", type="server_error", code="engine_dead")
 
 
+class RequestTimeout(APIError):
+    def __init__(self, timeout: float):
+        super().__init__(504, f"the request did not finish within --request-timeout ({timeout:g} s) and was aborted",
+                         type="server_error", code="request_timeout")
+
+
+class StepFailed(APIError):
+    def __init__(self):
+        super().__init__(500, "the engine failed while generating this request (see the server log)",
+                         type="server_error", code="engine_error")
+
+
 class Submission:
     """The engine requests of one HTTP request (its prompts x n choices), read as one stream."""
 
@@ -32,16 +45,24 @@ class Submission:
         self.index = {rid: i for i, rid in enumerate(request_ids)}   # request id -> choice index
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(request_ids)
+        self._aborted = False
+        self._timer: asyncio.TimerHandle | None = None
 
     async def outputs(self):
-        """RequestOutputs of all its engine requests, in step order, until all have finished."""
+        """RequestOutputs of all its engine requests, in step order, until all have finished.
+
+        Raises the APIError that ended it early: a failed engine step (500), --request-timeout
+        (504), a dead engine (503). The caller's cancel() then aborts the other choices."""
         while self.unfinished:
             item = await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
             if item.finished:
                 self.unfinished.discard(item.request_id)
+                if item.finish_reason == "error":
+                    raise StepFailed()
             yield item
+        self._stop_timer()
 
     async def collect(self) -> list[RequestOutput]:
         """Wait for all to finish; their final outputs in request_ids order."""
@@ -52,20 +73,38 @@ class Submission:
                     finals[self.index[out.request_id]] = out
         finally:
             self.cancel()
-        if any(f.finish_reason == "error" for f in finals):
-            raise APIError(500, "the engine failed while generating this request", type="server_error")
         return finals
 
     def cancel(self) -> None:
-        """Abort whatever has not finished (the client left, or the handler failed). Idempotent."""
-        if self.unfinished:
+        """Abort whatever has not finished (the client left, the handler failed, the time ran
+        out). Idempotent."""
+        self._stop_timer()
+        if self.unfinished and not self._aborted:
+            self._aborted = True
             self._engine.abort(list(self.unfinished))
+
+    def start_timer(self, seconds: float, timeout: float) -> None:
+        """Abort and raise RequestTimeout in outputs() after `seconds`, whether or not anyone
+        is reading: a stalled client must not keep its KV blocks."""
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, seconds), self._expire, timeout)
+
+    def _expire(self, timeout: float) -> None:
+        self._timer = None
+        if self.unfinished:
+            self.cancel()
+            self.queue.put_nowait(RequestTimeout(timeout))
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class AsyncEngine:
-    def __init__(self, engine, max_waiting: int, metrics=None):
+    def __init__(self, engine, max_waiting: int, metrics=None, request_timeout: float | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
+        self.request_timeout = request_timeout   # seconds from arrival; None = no limit
         self.metrics = metrics
         self.accepting = True          # False once shutdown began: new requests get 503
         self.error: BaseException | None = None
@@ -112,6 +151,7 @@ class AsyncEngine:
         """Admit one engine request per (prompt, params, id); all or none.
 
         Raises Overloaded when the waiting queue is full, EngineDead, or the engine's RequestError.
+        Refusals happen here, on the event loop, without waiting for the engine thread.
         """
         if self.error is not None or not self.alive:
             raise EngineDead(repr(self.error) if self.error else "the engine thread is not running")
@@ -137,6 +177,8 @@ class AsyncEngine:
             for rid in request_ids:
                 self._subs.pop(rid, None)
             raise
+        if self.request_timeout is not None:
+            sub.start_timer(self.request_timeout - (time.perf_counter() - arrival_time), self.request_timeout)
         return sub
 
     def abort(self, request_ids: list[str]) -> None:

@@ -39,8 +39,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "Retry-After (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body; larger ones get 413 (default: %(default)s = 1 MiB)")
-    g.add_argument("--max-stop-strings", type=int, default=16,
+    g.add_argument("--max-stop-strings", type=_at_least(0), default=16,
                    help="most stop strings one request may give (default: %(default)s)")
+    g.add_argument("--max-stop-length", type=_at_least(1), default=256,
+                   help="longest stop string, in characters (default: %(default)s)")
+    g.add_argument("--max-prompt-tokens", type=_at_least(1), default=None,
+                   help="longest prompt, in tokens; longer ones get 400 (default: the model's context length)")
+    g.add_argument("--max-tokens-cap", type=_at_least(1), default=None,
+                   help="largest max_tokens a request may ask for; larger ones get 400, and defaults (chat: "
+                        "the rest of the context) are lowered to it (default: no cap beyond the context)")
+    g.add_argument("--max-n", type=_at_least(1), default=64, help="most choices (n) per request (default: %(default)s)")
+    g.add_argument("--max-logprobs", type=_at_least(0, 20), default=20,
+                   help="most logprobs / top_logprobs per token, at most 20 (default: %(default)s)")
+    g.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
+                   help="abort a request still unfinished this long after it arrived and free its KV blocks; "
+                        "the client gets 504 request_timeout, or an error event in a stream (default: none)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are cancelled "
                         "(default: %(default)s)")
@@ -49,6 +62,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "sequences, preemptions, forward time) to FILE, for `pdserve report` (default: off)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and its access log (default: %(default)s)")
+
+
+def _at_least(low: int, high: int | None = None):
+    """An argparse type: an integer >= low (and <= high)."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < low or (high is not None and v > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {v}")
+        return v
+    return parse
+
+
+def _seconds(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return v
+
+
+def server_config(args: argparse.Namespace, model_name: str):
+    from pdserve.server.state import ServerConfig
+    return ServerConfig(served_model_name=args.served_model_name or model_name, max_waiting=args.max_waiting,
+                        max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
+                        max_stop_length=args.max_stop_length, max_prompt_tokens=args.max_prompt_tokens,
+                        max_tokens_cap=args.max_tokens_cap, max_n=args.max_n, max_logprobs=args.max_logprobs,
+                        request_timeout=args.request_timeout, api_key=args.api_key or None, step_log=args.step_log)
 
 
 class _Server(uvicorn.Server):
@@ -66,7 +106,6 @@ class _Server(uvicorn.Server):
 def run(args: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import LLMEngine   # heavy (torch): only when serving
     from pdserve.server.app import build_app
-    from pdserve.server.state import ServerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.backend == "engine":
@@ -75,10 +114,7 @@ def run(args: argparse.Namespace) -> int:
         from pdserve.baselines import BACKENDS
         extra = dict(batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms) if args.backend == "static" else {}
         engine = BACKENDS[args.backend](**engine_kwargs(args), **extra)
-    config = ServerConfig(served_model_name=args.served_model_name or engine.model_name,
-                          max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                          max_stop_strings=args.max_stop_strings, api_key=args.api_key or None,
-                          step_log=args.step_log)
+    config = server_config(args, engine.model_name)
     app = build_app(engine, config)
     state = app.state.pdserve
 

@@ -78,10 +78,17 @@ async def completions(body: CompletionRequest, request: Request):
     s = get_state(request)
     s.check_model(body.model)
     s.check_stop(body.stop_list)
+    s.check_n(body.n)
+    s.check_logprobs(body.logprobs, "logprobs")
     if body.echo and body.logprobs is not None:
         raise RequestError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
     prompts = s.prompt_ids(body.prompt)
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    s.check_prompt_len(prompts)
+    if body.max_tokens is None or "max_tokens" not in body.model_fields_set:
+        max_tokens = s.default_max_tokens(16)
+    else:
+        s.check_max_tokens(body.max_tokens)
+        max_tokens = body.max_tokens
     params = [p for _ in prompts for p in s.sampling_params(body.n, body.seed, max_tokens=max_tokens,
                                                             logprobs=body.logprobs, **body.sampling_kwargs())]
     if not body.echo:
@@ -150,6 +157,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s = get_state(request)
     s.check_model(body.model)
     s.check_stop(body.stop_list)
+    s.check_n(body.n)
+    s.check_logprobs(body.top_logprobs, "top_logprobs")
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     try:
@@ -158,11 +167,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise RequestError(str(e), param="messages") from None
     if not prompt:
         raise RequestError("messages render to an empty prompt", param="messages")
+    s.check_prompt_len([prompt], param="messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
-        # OpenAI's chat default: as many as fit in the context. If the prompt alone is too long,
-        # asking for one token lets the engine report the lengths.
-        max_tokens = max(1, s.max_model_len - len(prompt))
+        # OpenAI's chat default: as many as fit in the context (and --max-tokens-cap). If the
+        # prompt alone is too long, asking for one token lets the engine report the lengths.
+        max_tokens = max(1, s.default_max_tokens(s.max_model_len - len(prompt)))
+    else:
+        s.check_max_tokens(max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, **body.sampling_kwargs())
     request_id, sub = await s.submit([prompt] * body.n, params, arrival, "chatcmpl")

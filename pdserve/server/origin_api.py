@@ -22,13 +22,19 @@ from pdserve.server.streaming import sse, sse_response, unless_disconnected
 router = APIRouter()
 
 
-async def _submit(request: Request, body, prompts: list[str]):
+async def _submit(request: Request, body, prompts: list[str], param: str = "prompt"):
     arrival = time.perf_counter()
     s = get_state(request)
     ids = [s.encode(p) for p in prompts]
+    s.check_prompt_len(ids, param)
+    if "max_tokens" in body.model_fields_set:
+        s.check_max_tokens(body.max_tokens)
+        max_tokens = body.max_tokens
+    else:
+        max_tokens = s.default_max_tokens(body.max_tokens)
     # The origin had no context limit to speak of: stop at the context rather than refuse
     # (a prompt that fills the context alone is still refused, by the engine).
-    params = [SamplingParams(max_tokens=min(body.max_tokens, max(1, s.max_model_len - len(p))),
+    params = [SamplingParams(max_tokens=min(max_tokens, max(1, s.max_model_len - len(p))),
                              temperature=body.temperature) for p in ids]
     _, sub = await s.submit(ids, params, arrival, "gen")
     return sub
@@ -49,7 +55,7 @@ async def basic_generate(body: BasicGenerateRequest, request: Request):
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request):
-    sub = await _submit(request, body, body.prompts)
+    sub = await _submit(request, body, body.prompts, "prompts")
 
     async def work():
         return JSONResponse({"generated_texts": await _texts(sub)})   # in input order

@@ -16,7 +16,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """What completions and chat share. None means "the SamplingParams default"."""
     model: str | None = None
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(1, ge=1)   # the upper bound is --max-n
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

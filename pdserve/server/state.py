@@ -19,6 +19,12 @@ class ServerConfig:
     max_waiting: int = 256
     max_body_bytes: int = 1 << 20
     max_stop_strings: int = 16
+    max_stop_length: int = 256           # characters per stop string
+    max_prompt_tokens: int | None = None  # None: the engine's own check against max_model_len
+    max_tokens_cap: int | None = None     # None: whatever fits in the context
+    max_n: int = 64
+    max_logprobs: int = 20
+    request_timeout: float | None = None  # seconds from arrival; None: no limit
     api_key: str | None = None
     step_log: str | None = None   # JSONL file: one line per engine step (for `pdserve report`)
 
@@ -30,7 +36,7 @@ class ServerState:
         self.config = config
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(config.step_log)
-        self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics)
+        self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout)
         self.created = int(time.time())
 
     # ---- checks
@@ -44,6 +50,38 @@ class ServerState:
         if len(stop) > self.config.max_stop_strings:
             raise RequestError(f"at most {self.config.max_stop_strings} stop strings are allowed, got {len(stop)}",
                                param="stop")
+        # a long stop string is held back from streams and searched for after every token
+        longest = max((len(s) for s in stop), default=0)
+        if longest > self.config.max_stop_length:
+            raise RequestError(f"stop strings may be at most {self.config.max_stop_length} characters long "
+                               f"(--max-stop-length), got one of {longest}", param="stop")
+
+    def check_n(self, n: int) -> None:
+        if n > self.config.max_n:
+            raise RequestError(f"n must be at most {self.config.max_n} (--max-n), got {n}", param="n")
+
+    def check_logprobs(self, k: int | None, param: str) -> None:
+        if k is not None and k > self.config.max_logprobs:
+            raise RequestError(f"{param} must be at most {self.config.max_logprobs} (--max-logprobs), got {k}",
+                               param=param)
+
+    def check_max_tokens(self, max_tokens: int) -> None:
+        cap = self.config.max_tokens_cap
+        if cap is not None and max_tokens > cap:
+            raise RequestError(f"max_tokens must be at most {cap} (--max-tokens-cap), got {max_tokens}",
+                               param="max_tokens")
+
+    def default_max_tokens(self, wanted: int) -> int:
+        """A default max_tokens (not the client's), lowered to --max-tokens-cap."""
+        cap = self.config.max_tokens_cap
+        return wanted if cap is None else min(wanted, cap)
+
+    def check_prompt_len(self, prompts: list[list[int]], param: str = "prompt") -> None:
+        cap = self.config.max_prompt_tokens
+        longest = max(len(p) for p in prompts)
+        if cap is not None and longest > cap:
+            raise RequestError(f"{param} has {longest} tokens; this server accepts at most {cap} prompt tokens "
+                               "(--max-prompt-tokens)", param=param)
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
         if not text:

@@ -67,6 +67,8 @@ def test_serve_help_explains_every_flag():
     for flag in ("--model", "--dtype", "--device", "--block-size", "--num-kv-blocks", "--kv-cache-memory",
                  "--max-num-batched-tokens", "--max-num-seqs", "--max-model-len", "--seed", "--host", "--port",
                  "--served-model-name", "--api-key", "--max-waiting", "--max-body-bytes", "--max-stop-strings",
+                 "--max-stop-length", "--max-prompt-tokens", "--max-tokens-cap", "--max-n", "--max-logprobs",
+                 "--request-timeout",
                  "--shutdown-timeout", "--log-level"):
         assert flag in out, flag
     assert "PDSERVE_API_KEY" in out and "127.0.0.1" in out

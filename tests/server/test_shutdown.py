@@ -54,3 +54,33 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server, make_tin
         assert not cut_completed and 0 < len(cut_events) < 4000
     assert server.proc.wait(30) == 0
     assert 2.5 < time.monotonic() - t0 < 20   # waited for the timeout, then cancelled the endless one
+
+
+def test_sigterm_under_load_finishes_every_admitted_stream(start_server, tiny_llama):
+    # six streams against four seats: two still wait in the engine's queue when SIGTERM arrives
+    server = start_server(tiny_llama, "--shutdown-timeout", "60", "--max-num-seqs", "4")
+    body = {"max_tokens": 120, "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+    with cf.ThreadPoolExecutor(6) as pool:
+        started = [cf.Future() for _ in range(6)]
+        streams = [pool.submit(stream_events, server.url, {**body, "prompt": f"Story {i}:"}, started[i])
+                   for i in range(6)]
+        done, _ = cf.wait(started[:4], timeout=30)   # four are generating; two are admitted and waiting
+        assert len(done) == 4
+        server.wait_for(lambda m: m["pdserve:num_requests_running"] + m["pdserve:num_requests_waiting"] == 6)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        try:   # refused: 503 while the listener is still open, no connection once it closed
+            # the busy server may take a moment to handle the signal: /health says when it has
+            while httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                time.sleep(0.01)
+            r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi"}, timeout=5)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        except httpx.TransportError:
+            pass
+        for f in streams:
+            events, completed = f.result()
+            assert completed and events[-1] == "[DONE]"
+            assert events[-2]["usage"]["completion_tokens"] == 120
+            assert events[-3]["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(60) == 0
+    assert time.monotonic() - t0 < 60   # left as soon as the streams were done, not at the timeout

@@ -1,0 +1,40 @@
+"""Small compiled CPU kernels where torch has none fast enough on our machines (docs/BENCHMARKS.md):
+linear_cpu.cpp (linears on pre-packed weights) and attention_cpu.cpp (decode attention read
+straight from the paged KV cache).
+
+Built on first use with torch's C++ extension loader (needs a C++ compiler; the build is cached
+under ~/.cache/torch_extensions). Where it cannot be built (no compiler, no AVX-512) the engine
+keeps torch's own ops and says so once."""
+import functools
+import logging
+import os
+
+log = logging.getLogger("pdserve")
+_DIR = os.path.dirname(__file__)
+SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "attention_cpu.cpp")]
+
+
+def cpu_supports_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx512f" in flags and " avx512bw" in flags
+
+
+@functools.cache
+def cpu_ops():
+    """The compiled extension, or None with the reason logged."""
+    if not cpu_supports_avx512():
+        log.warning("pdserve's CPU kernels need AVX-512; using torch's ops")
+        return None
+    from torch.utils.cpp_extension import load
+    try:
+        # -fopenmp: at::parallel_for runs on torch's OpenMP pool (the libgomp torch already loaded)
+        return load("pdserve_cpu_ops", SOURCES, extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-fopenmp"],
+                    extra_ldflags=["-lgomp"], verbose=False)
+    except Exception as e:  # compiler missing or failing: fall back, loudly
+        msg = str(e).strip().splitlines()
+        log.warning("could not build pdserve's CPU kernels (%s); using torch's ops", msg[-1] if msg else type(e).__name__)
+        return None

@@ -1,0 +1,114 @@
+// Linear layers for CPU decode: y = x @ W^T (+ bias), W pre-packed into panels of 16 output
+// channels so that every weight is read once, sequentially, whatever the number of rows.
+//
+// Why: torch's fp32 GEMM (MKL) reads weights at well under DRAM bandwidth for 1..32 rows on this
+// machine (docs/BENCHMARKS.md), and decode is nothing but such products. Packed layout:
+// panel p holds W[16p:16p+16, :] transposed, i.e. P[p][k][0:16], so one 64-byte cache line
+// per k per panel. Weights are fp32, bf16 or int8 (symmetric, one scale per output channel);
+// activations and accumulation are always fp32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int PANEL = 16;   // output channels per panel: one zmm of fp32
+constexpr int NP = 4;       // panels per micro-tile (64 outputs)
+constexpr int KB = 256;     // k-block: NP panels x KB rows of weights stay in L2 across row tiles
+constexpr int MB = 96;      // row block: its x rows stay in L2 while all weights stream past once
+
+template <typename W> inline __m512 load16(const W* p);
+template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen and shift
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <> inline __m512 load16<int8_t>(const int8_t* p) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+// MT rows x NP panels over k in [k0, k1); accumulates into y (row stride ldy) unless first.
+template <typename W, int MT>
+inline void micro(const float* x, int64_t ldx, const W* w, int64_t panel_stride, float* y, int64_t ldy,
+                  int64_t k0, int64_t k1, bool first) {
+  __m512 acc[MT][NP];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NP; ++j)
+      acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + j * PANEL);
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 wv[NP];
+    for (int j = 0; j < NP; ++j) wv[j] = load16<W>(w + j * panel_stride + k * PANEL);
+    for (int m = 0; m < MT; ++m) {
+      __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+      for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + j * PANEL, acc[m][j]);
+}
+
+template <typename W>
+void rows(int64_t mt, const float* x, int64_t ldx, const W* w, int64_t ps, float* y, int64_t ldy,
+          int64_t k0, int64_t k1, bool first) {
+  switch (mt) {
+    case 1: micro<W, 1>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+    case 2: micro<W, 2>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+    case 3: micro<W, 3>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+    case 4: micro<W, 4>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+    case 5: micro<W, 5>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+    default: micro<W, 6>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+  }
+}
+
+template <typename W>
+void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad, float* y) {
+  const int64_t panel_stride = K * PANEL;
+  const int64_t groups = Npad / (PANEL * NP);
+  // Decode (M <= MB) reads the weights once. Threads split the output channels: each reads a
+  // disjoint, contiguous part of the weights.
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t m1 = std::min(M, m0 + MB);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const W* wg = w + g * NP * panel_stride;
+        float* yg = y + g * NP * PANEL;
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+          const int64_t k1 = std::min(K, k0 + KB);
+          for (int64_t m = m0; m < m1; m += 6)
+            rows<W>(std::min<int64_t>(6, m1 - m), x + m * K, K, wg, panel_stride, yg + m * Npad, Npad, k0, k1,
+                    k0 == 0);
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
+// x: (M, K) fp32 contiguous; packed: (Npad/16, K, 16) fp32|bf16|int8; scale: (Npad,) fp32 or empty.
+// Returns (M, Npad) fp32; the caller slices off padding and adds bias.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (M, K) fp32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.is_contiguous(), "bad packed weight");
+  const int64_t M = x.size(0), K = x.size(1), Npad = packed.size(0) * PANEL;
+  TORCH_CHECK(packed.size(1) == K && Npad % (PANEL * NP) == 0, "packed weight does not match x");
+  auto y = torch::empty({M, Npad}, x.options());
+  if (M == 0) return y;
+  switch (packed.scalar_type()) {
+    case at::kFloat:
+      linear_impl<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), Npad, y.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      linear_impl<at::BFloat16>(x.data_ptr<float>(), M, K, packed.data_ptr<at::BFloat16>(), Npad, y.data_ptr<float>());
+      break;
+    case at::kChar:
+      linear_impl<int8_t>(x.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), Npad, y.data_ptr<float>());
+      break;
+    default:
+      TORCH_CHECK(false, "packed weight dtype must be float32, bfloat16 or int8");
+  }
+  if (scale.defined() && scale.numel() > 0) y.mul_(scale);
+  return y;
+}

@@ -1,0 +1,13 @@
+// Python bindings of pdserve's CPU kernels (one extension, built on first use).
+#include <torch/extension.h>
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
+                                     double scale, int64_t sliding_window);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("packed_linear", &packed_linear, "y = x @ W^T with W packed in 16-channel panels (linear_cpu.cpp)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one-query attention over the paged KV cache (attention_cpu.cpp)");
+}

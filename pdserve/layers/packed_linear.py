@@ -1,0 +1,83 @@
+"""Linear layers whose weights are re-laid-out once at load for the CPU decode kernel.
+
+nn.Linear stores W as (N, K) and torch multiplies small batches at well under memory bandwidth
+on CPUs (docs/BENCHMARKS.md). PackedLinear stores W as panels of 16 output channels, (N/16, K, 16),
+which pdserve/kernels/linear_cpu.cpp streams once per step for any number of rows, in fp32, bf16
+or int8 (weight-only: one fp32 scale per output channel, symmetric). Activations stay fp32 inside
+the kernel; the result is cast back to the model's dtype."""
+import torch
+from torch import nn
+
+from pdserve.kernels import cpu_ops
+
+PANEL, TILE = 16, 64   # channels per panel; the kernel works on 4 panels at a time
+
+
+def pack_weight(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weight -> (packed (Npad/16, K, 16), scale (Npad,) or empty) in format fp32|bf16|int8."""
+    N, K = weight.shape
+    n_pad = -(-N // TILE) * TILE
+    w = torch.zeros(n_pad, K, dtype=torch.float32)
+    w[:N] = weight.float()
+    scale = torch.empty(0)
+    if fmt == "int8":
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)   # symmetric, per output channel
+        w = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    elif fmt == "bf16":
+        w = w.to(torch.bfloat16)
+    return w.view(n_pad // PANEL, PANEL, K).transpose(1, 2).contiguous(), scale
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, fmt: str):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
+        packed, scale = pack_weight(linear.weight.detach(), fmt)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        y = cpu_ops().packed_linear(x2, self.packed, self.scale)
+        if y.shape[1] != self.out_features:
+            y = y[:, :self.out_features].contiguous()
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows W[ids] (K each) read back from the packed layout: the tied input embedding."""
+        rows = self.packed[ids // PANEL, :, ids % PANEL].float()
+        if self.fmt == "int8":
+            rows *= self.scale[ids, None]
+        return rows
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+class TiedPackedEmbedding(nn.Module):
+    """The input embedding of a tied model, reading the packed lm_head: one copy of the matrix."""
+
+    def __init__(self, lm_head: PackedLinear, dtype: torch.dtype):
+        super().__init__()
+        self.lm_head, self.dtype = [lm_head], dtype   # a list: not a submodule, no second registration
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head[0].weight_rows(ids).to(self.dtype)
+
+
+def pack_model(model: nn.Module, fmt: str, embed_name: str | None) -> nn.Module:
+    """Replace every nn.Linear by a PackedLinear; a tied embedding `embed_name` then reads the packed
+    lm_head. Frees each original weight as it goes, so peak memory grows by one matrix only."""
+    tied = embed_name is not None
+    dtype = next(model.parameters()).dtype
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(mod, fmt))
+    if tied:
+        parent, _, attr = embed_name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, TiedPackedEmbedding(model.lm_head, dtype))
+    return model
