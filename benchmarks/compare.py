@@ -7,8 +7,8 @@ CDF plots (`pdserve report`) and docs/BENCHMARKS.md with one table per workload.
 
     python benchmarks/compare.py --quick                 # tiny model, our backends, ~1 min
     python benchmarks/compare.py --quick --peers         # the same with vLLM and llama-server, ~2 min
-    python benchmarks/compare.py --model-05b /work/q05   # the full comparison, ~20-25 min
-    python benchmarks/compare.py --dry-run               # print the plan and the commands only
+    python benchmarks/compare.py --model-05b /work/q05   # the full comparison, ~17 min
+    python benchmarks/compare.py --dry-run               # the plan, the commands, estimated times
 
 Peers are installed on first use into --peers-dir (see peers.py); a peer that cannot be
 installed or started is reported with its error in the tables and the JSON, never dropped.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import signal
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 import servers  # noqa: E402
 from report_md import write_doc  # noqa: E402
-from workloads import WARMUP, Workload, plan_workloads  # noqa: E402
+from workloads import Workload, plan_workloads, warmup_for  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = ("engine", "static", "hf", "nocache")
@@ -209,11 +210,11 @@ def run_system(model_key: str, model_dir: str, system: str, workloads: list[Work
                 for r in records]
     try:
         say(f"{model_key} / {system}: healthy after {server.ready_s:.0f} s; warming up")
-        warm = bench_command(server, name, WARMUP, records[0]["seed"] + 50, None)
+        warm = bench_command(server, name, warmup_for(system), records[0]["seed"] + 50, None)
         with open(os.path.join(log_dir, f"bench-{model_key}-warmup-{system}.log"), "w", encoding="utf-8") as f:
             try:  # a failed warm-up shows again, measured, in the first workload
                 subprocess.run(warm, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               timeout=bench_timeout(WARMUP, model_key))
+                               timeout=bench_timeout(warmup_for(system), model_key))
             except subprocess.TimeoutExpired:
                 f.write("\nwarm-up timed out\n")
         for r in records:
@@ -287,6 +288,87 @@ def make_plots(summary: dict) -> None:
             say(f"pdserve report for {key} failed: {(proc.stderr or proc.stdout)[-300:]}")
 
 
+# ---------------------------------------------------------------- the time budget
+
+# Requests a system serves at once: hf and nocache one at a time, static in batches of 4.
+PARALLEL = {"hf": 1, "nocache": 1, "static": 4}
+RESULT_DIRS = (os.path.join(REPO, "benchmarks", "results"), os.path.join(REPO, "benchmarks", "results", "quick"))
+
+
+def work(wl: Workload, system: str) -> float:
+    """The relative cost of `wl` on `system`, for scaling a past run's time to a new size:
+    rounds of requests the system serves at once, times output tokens. nocache re-runs the
+    whole sequence for every token, so its cost also grows with the context."""
+    rounds = math.ceil(wl.num_prompts / min(wl.concurrency, PARALLEL.get(system, wl.concurrency)))
+    cost = rounds * wl.output_len
+    if system == "nocache":
+        prompt = wl.input_len if wl.dataset == "random" else (
+            wl.long_fraction * wl.long_len + (1 - wl.long_fraction) * wl.input_len)
+        cost *= prompt + wl.output_len / 2
+    return cost
+
+
+def spec_of(res: dict, name: str) -> Workload:
+    """The Workload a `pdserve bench` result JSON ran (for files no summary.json describes)."""
+    kinds = res.get("request_kinds") or [None] * len(res["input_lens"])
+    ins = [(n, k) for n, k in zip(res["input_lens"], kinds) if n]
+    short = [n for n, k in ins if k != "long"] or [0]
+    long_ = [n for n, k in ins if k == "long"]
+    return Workload(name, res["dataset_name"], int(sorted(short)[len(short) // 2]), max(res["output_lens"] or [1]),
+                    res["num_prompts"], res.get("max_concurrency") or res["num_prompts"],
+                    long_len=max(long_, default=0), long_fraction=len(long_) / max(1, len(ins)) or 0.1)
+
+
+def past_runs(dirs=RESULT_DIRS) -> list[dict]:
+    """Every measured (model, system, workload) run under `dirs`: its summary.json records (bench
+    time, server start time), then the result JSONs no summary describes (their duration)."""
+    runs, seen = [], set()
+    for d in dict.fromkeys(os.path.abspath(d) for d in dirs):
+        try:
+            with open(os.path.join(d, "summary.json"), encoding="utf-8") as f:
+                records = json.load(f)["runs"]
+        except (OSError, ValueError, KeyError):
+            records = []
+        for r in records:
+            if r.get("status") == "ok" and r.get("bench_s") and r.get("json"):
+                seen.add(os.path.normpath(os.path.join(REPO, r["json"])))
+                runs.append(dict(model=r["model"], system=r["system"], spec=Workload(**r["workload_spec"]),
+                                 seconds=r["bench_s"], ready_s=r.get("server_ready_s"), source=r["json"]))
+        for model in ("tiny", "0.5b"):
+            for wl_name in ("c32", "c1", "long-short"):
+                for system in SYSTEMS:
+                    path = os.path.normpath(os.path.join(d, model, wl_name, f"{system}.json"))
+                    if path in seen or not os.path.exists(path):
+                        continue
+                    try:
+                        with open(path, encoding="utf-8") as f:
+                            res = json.load(f)
+                        spec = spec_of(res, wl_name)
+                    except (OSError, ValueError, KeyError, TypeError):
+                        continue
+                    if res.get("failed") == 0:
+                        runs.append(dict(model=model, system=system, spec=spec, seconds=res["duration"] + 0.5,
+                                         ready_s=None, source=os.path.relpath(path, REPO)))
+    return runs
+
+
+def estimate_s(model_key: str, system: str, workloads: list[Workload], runs: list[dict]) -> tuple[float, str] | None:
+    """Seconds `system` will take on `model_key` (start, warm-up, every workload, stop), from
+    the past runs of the same system on the same model, each scaled by `work`; None without one."""
+    mine = [r for r in runs if r["model"] == model_key and r["system"] == system]
+    if not mine:
+        return None
+    total, sources = 0.0, set()
+    for wl in workloads + [warmup_for(system)]:
+        same = [r for r in mine if r["spec"].name == wl.name] or [r for r in mine if r["spec"].name == "c1"] or mine
+        # the same workload if it ran, else the biggest run (the nearest to the full size)
+        ref = next((r for r in same if r["spec"] == wl), max(same, key=lambda r: work(r["spec"], system)))
+        total += ref["seconds"] * work(wl, system) / work(ref["spec"], system)
+        sources.add(os.path.dirname(os.path.dirname(os.path.dirname(ref["source"]))) or ".")
+    ready = max((r["ready_s"] for r in mine if r["ready_s"]), default=90.0 if system == "vllm" else 10.0)
+    return total + ready + 6.0, ", ".join(sorted(sources))  # 6 s: the load sample, the stop, the start
+
+
 # ---------------------------------------------------------------- main
 
 def say(msg: str) -> None:
@@ -355,30 +437,53 @@ def main(argv: list[str] | None = None) -> int:
                    "vllm": "vllm serve M --dtype float32 --max-model-len L, VLLM_CPU_KVCACHE_SPACE=4, "
                            "OMP threads bound to all cores",
                    "llama-server": "llama-server -m M-f32.gguf -c 32*L -np 32 -kvu -t CORES -tb CORES"}}
-    for model_key, model_dir in models.items():
-        for system in args.systems:
-            wls = plan_workloads(model_key, system, args.quick, args.workloads)
-            summary["workloads"].setdefault(model_key, [asdict(w) for w in plan_workloads(
-                model_key, "engine", args.quick, args.workloads)])
-            mi = list(models).index(model_key)
-            seeds = [1000 * (mi + 1) + 100 * SYSTEMS.index(system) + wi for wi in range(len(wls))]
-            summary["runs"] += run_system(model_key, model_dir, system, wls, seeds, args, log_dir)
-            if not args.dry_run:
-                save(summary, args, t0)  # partial results survive an interrupted run
+    plan = [(m, s, plan_workloads(m, s, args.quick, args.workloads)) for m in models for s in args.systems]
+    past = past_runs((args.out_dir, *RESULT_DIRS))
+    estimates = {(m, s): estimate_s(m, s, wls, past) for m, s, wls in plan}
+    known = [e[0] for e in estimates.values() if e]
+    # the plots at the end take a second or two per workload
+    plots_s = 2 * len({(m, w.name) for m, _, wls in plan for w in wls})
+    total_min = (sum(known) + plots_s) / 60 if known else None
+    if total_min and not args.dry_run:
+        say(f"estimated from past runs: ~{total_min:.1f} min"
+            + ("" if len(known) == len(plan) else f" for {len(known)} of {len(plan)} systems"))
+    for model_key, system, wls in plan:
+        model_dir = models[model_key]
+        summary["workloads"].setdefault(model_key, [asdict(w) for w in plan_workloads(
+            model_key, "engine", args.quick, args.workloads)])
+        mi = list(models).index(model_key)
+        seeds = [1000 * (mi + 1) + 100 * SYSTEMS.index(system) + wi for wi in range(len(wls))]
+        records = run_system(model_key, model_dir, system, wls, seeds, args, log_dir)
+        for r in records:
+            r["estimate_s"] = round(estimates[model_key, system][0]) if estimates[model_key, system] else None
+        summary["runs"] += records
+        if not args.dry_run:
+            save(summary, args, t0)  # partial results survive an interrupted run
     if args.dry_run:
-        last = None
-        for r in summary["runs"]:
-            srv = " ".join(r.get("server_cmd", [])) or f"{r['system']}: {r.get('error')}"
-            if srv != last:
-                print(srv)
-                last = srv
-            print("   ", " ".join(r.get("bench_cmd", [])))
+        print_plan(summary["runs"], estimates, total_min)
         return 0
     summary["versions"] = peer_versions(args.systems, args.peers_dir)
     make_plots(summary)
     save(summary, args, t0)
     say(f"wrote {args.doc} and {summary['summary_path']} in {(time.monotonic() - t0) / 60:.1f} min")
     return 0 if all(r["status"] == "ok" for r in summary["runs"]) else 1
+
+
+def print_plan(runs: list[dict], estimates: dict, total_min: float | None) -> None:
+    """--dry-run: every server and bench command, each system's estimated time and the total."""
+    last = None
+    for r in runs:
+        srv = " ".join(r.get("server_cmd", [])) or f"{r['system']}: {r.get('error')}"
+        if srv != last:
+            est = estimates.get((r["model"], r["system"]))
+            print(f"# {r['model']} / {r['system']}: "
+                  + (f"~{est[0]:.0f} s (scaled from {est[1]})" if est else "no past run to estimate from"))
+            print(srv)
+            last = srv
+        print("   ", " ".join(r.get("bench_cmd", [])))
+    if total_min:
+        print(f"# estimated total: ~{total_min:.1f} min on a quiet machine"
+              + ("" if all(estimates.values()) else " (systems without a past run not counted)"))
 
 
 def save(summary: dict, args, t0: float) -> None:

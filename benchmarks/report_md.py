@@ -79,6 +79,9 @@ def shown(cmd: list[str], env: dict | None = None) -> str:
     return " ".join([f"{k}={short(v)}" for k, v in (env or {}).items()] + [short(w) for w in cmd])
 
 
+KEEP_MARKER = "<!-- hand-written below: compare.py keeps everything from this line on -->"
+
+
 def write_doc(path: str, summary: dict) -> None:
     m = summary["machine"]
     cpu = m.get("model name", "?")
@@ -115,10 +118,11 @@ def write_doc(path: str, summary: dict) -> None:
         "- Each (model, system, workload) run has its own `--seed`, so every server gets fresh prompts of "
         "the same lengths: vLLM and llama-server cache prompt prefixes; pdserve has no prefix cache yet "
         "but gets distinct seeds all the same. Each server first gets 2 unmeasured warm-up requests "
-        "(128 in / 8 out, fresh prompts).",
+        "(128 in / 8 out, fresh prompts; 1 for `hf` and `nocache`, which serve one request at a time).",
         "- `static` is the origin server's request-level batching (batches of 4); `hf` runs one `generate()` "
         "per request, one at a time; `nocache` recomputes the whole sequence per token. They run "
-        "scaled-down workloads (fewer requests, marked †) to fit the time budget: their throughput is "
+        "scaled-down workloads (fewer requests, some fewer output tokens, marked †) to fit the time budget: "
+        "their throughput is "
         "measured on fewer requests in flight.",
         "- Servers: " + "; ".join(f"{k}: `{v}`" for k, v in summary.get("server_flags", {}).items()),
         "",
@@ -152,5 +156,11 @@ def write_doc(path: str, summary: dict) -> None:
             lines.append("  " + shown(r["bench_cmd"]))
     lines += ["```", "", "</details>", ""]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    text = "\n".join(lines)
+    if os.path.exists(path):   # hand-written sections after the marker survive a rerun
+        with open(path, encoding="utf-8") as f:
+            old = f.read()
+        if KEEP_MARKER in old:
+            text += "\n" + old[old.index(KEEP_MARKER):]
     with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+        f.write(text)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +15,7 @@ import compare  # noqa: E402
 import peers  # noqa: E402
 import report_md  # noqa: E402
 import servers  # noqa: E402
-from workloads import WORKLOADS, plan_workloads  # noqa: E402
+from workloads import WORKLOADS, plan_workloads, warmup_for  # noqa: E402
 
 
 def test_plan_scales_only_the_slow_baselines_on_the_big_model():
@@ -22,10 +23,32 @@ def test_plan_scales_only_the_slow_baselines_on_the_big_model():
     hf = {w.name: w for w in plan_workloads("0.5b", "hf", quick=False)}
     assert full["c32"].num_prompts == 64 and full["c32"].concurrency == 32
     assert hf["c32"].num_prompts < full["c32"].num_prompts
-    assert hf["c32"].output_len == full["c32"].output_len
+    assert (hf["c32"].input_len, hf["c32"].concurrency) == (full["c32"].input_len, full["c32"].concurrency)
     assert plan_workloads("0.5b", "vllm", quick=False) == list(full.values())
     assert plan_workloads("tiny", "nocache", quick=True) == WORKLOADS["quick"]
     assert [w.name for w in plan_workloads("tiny", "engine", False, only=["c1"])] == ["c1"]
+
+
+def test_estimate_scales_past_runs_by_rounds_and_tokens():
+    c32 = WORKLOADS["0.5b"][0]  # 64 requests, 32 at a time, 128 out
+    past = [dict(model="0.5b", system="engine", spec=c32, seconds=100.0, ready_s=10.0, source="r/0.5b/c32/engine.json"),
+            dict(model="0.5b", system="hf", spec=replace(c32, num_prompts=4), seconds=80.0, ready_s=4.0,
+                 source="r/0.5b/c32/hf.json")]
+    assert compare.work(c32, "engine") == 2 * 128 and compare.work(c32, "hf") == 64 * 128
+    est, source = compare.estimate_s("0.5b", "engine", [c32, replace(c32, output_len=64)], past)
+    warm = warmup_for("engine")
+    assert est == pytest.approx(100 + 50 + 100 * compare.work(warm, "engine") / 256 + 10 + 6)
+    assert source == "r"
+    est, _ = compare.estimate_s("0.5b", "hf", [replace(c32, num_prompts=2)], past)
+    assert est == pytest.approx(40 + 80 * 8 / (4 * 128) + 4 + 6)  # one warm-up request of 8 tokens
+    assert compare.estimate_s("tiny", "hf", [c32], past) is None
+
+
+def test_dry_run_prints_the_plan_and_an_estimate():
+    out = subprocess.run([sys.executable, compare.__file__, "--dry-run", "--models", "tiny", "--skip-peers"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.count("pdserve serve") == len(compare.OURS) and "--dataset-name long-short" in out
+    assert "# tiny / engine:" in out
 
 
 def test_bench_args_name_every_length():
@@ -63,6 +86,19 @@ def test_table_has_ratios_failures_and_scaled_rows():
     assert "| vllm | 4 / 0 | 100.0 |" in text and "| 2.00× | 0.50× | 0.50× |" in text
     assert "hf † ‡" in text and "n/a" in text  # scaled down, and one chunk: no TPOT
     assert "**start failed**" in text and "exited with status 1" in text
+
+
+def test_rewriting_the_doc_keeps_hand_written_sections(tmp_path):
+    summary = dict(machine={"cores": 2}, started="today", duration_s=60.0, args={"quick": False}, command="compare.py",
+                   loadavg_start=0.1, loadavg_end=0.2, models={}, workloads={}, runs=[], plots={},
+                   out_dir=str(tmp_path), summary_path=str(tmp_path / "summary.json"))
+    doc = tmp_path / "BENCHMARKS.md"
+    report_md.write_doc(str(doc), summary)
+    doc.write_text(doc.read_text() + "\n" + report_md.KEEP_MARKER + "\n## Reading\n\nby hand\n")
+    report_md.write_doc(str(doc), dict(summary, started="tomorrow"))
+    text = doc.read_text()
+    assert "tomorrow" in text and "today" not in text
+    assert text.count(report_md.KEEP_MARKER) == 1 and text.endswith("## Reading\n\nby hand\n")
 
 
 FAKE_SERVER = textwrap.dedent('''

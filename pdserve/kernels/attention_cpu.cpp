@@ -22,7 +22,12 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
                  float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t nb, int64_t bs,
                  float scale, int64_t window) {
   const int64_t G = H / Hkv, row = Hkv * D;   // row: elements per cache slot
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
+  // one thread for small work (see linear_cpu.cpp): grain in (sequence, kv head) tasks
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += ctx[b];
+  const int64_t bytes_per_task = std::max<int64_t>(1, total / B * 2 * D * int64_t(sizeof(T)));
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / bytes_per_task);
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, kvh = t % Hkv, n = ctx[b];

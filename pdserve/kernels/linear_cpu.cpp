@@ -16,6 +16,7 @@ constexpr int PANEL = 16;   // output channels per panel: one zmm of fp32
 constexpr int NP = 4;       // panels per micro-tile (64 outputs)
 constexpr int KB = 256;     // k-block: NP panels x KB rows of weights stay in L2 across row tiles
 constexpr int MB = 96;      // row block: its x rows stay in L2 while all weights stream past once
+constexpr int64_t kMinParallelBytes = 512 << 10;  // less weight traffic (x row tiles) than this: one thread
 
 template <typename W> inline __m512 load16(const W* p);
 template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
@@ -70,7 +71,10 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad,
   // disjoint, contiguous part of the weights.
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t m1 = std::min(M, m0 + MB);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    // Small products run on one thread: waking a second one costs more than it saves, and on a
+    // busy machine a parallel region waits for a descheduled thread.
+    const int64_t grain = std::max<int64_t>(1, kMinParallelBytes / (NP * panel_stride * int64_t(sizeof(W)) * (m1 - m0 + 5) / 6));
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         const W* wg = w + g * NP * panel_stride;
         float* yg = y + g * NP * PANEL;
