@@ -75,11 +75,11 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         layers = [mod for mod in self.model.modules() if isinstance(mod, PagedAttention)]
         assert len(layers) == m.num_layers
-        use_kernel = self.weight_format != "torch" and m.head_dim % 16 == 0
+        self.decode_kernel = self.weight_format != "torch" and m.head_dim % 16 == 0
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.sliding_window = m.sliding_window
-            layer.cpu_ops = cpu_ops() if use_kernel else None
+            layer.cpu_ops = cpu_ops() if self.decode_kernel else None
 
     def prepare(self, sched: SchedulerOutput):
         """Flat inputs for the step, and which flat rows need logits (with their sequences)."""
@@ -105,7 +105,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            groups=[build_group(*g, bs, self.sliding_window, dev) for g in groups.values() if g[0]])
+            groups=[build_group(*g, bs, self.sliding_window, dev, with_mask=not (decode and self.decode_kernel))
+                    for decode, g in groups.items() if g[0]])
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, logit_rows, sample_seqs)
 

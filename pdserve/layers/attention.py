@@ -26,7 +26,7 @@ class AttentionGroup:
     num_keys: int             # K: the longest context in the group
     block_size: int
     ctx_lens: torch.Tensor    # (B,) int64: keys of each sequence, this step's included
-    mask: torch.Tensor        # (B, 1, Q, K) bool: causal within the sequence, False on padding
+    mask: torch.Tensor | None  # (B, 1, Q, K) bool: causal within the sequence, False on padding
 
 
 @dataclass
@@ -56,12 +56,19 @@ def get_attention_metadata() -> AttentionMetadata:
 
 
 def build_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block_tables: list[list[int]],
-                block_size: int, sliding_window: int | None, device) -> AttentionGroup:
+                block_size: int, sliding_window: int | None, device, with_mask: bool = True) -> AttentionGroup:
     """Gather indices and mask for sequences with `q_lens` queries starting at flat index `starts`,
-    whose cached context after this step is `ctx_lens` tokens long."""
+    whose cached context after this step is `ctx_lens` tokens long. The CPU decode kernel needs
+    no mask (with_mask=False, one query each): that saves most of this function's time."""
     B, Q, K = len(q_lens), max(q_lens), max(ctx_lens)
-    q_lens_t = torch.tensor(q_lens)
+    nb = (K + block_size - 1) // block_size
+    tables = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables], dtype=torch.long)
     ctx_t = torch.tensor(ctx_lens)
+    if not with_mask:
+        assert Q == 1
+        return AttentionGroup(torch.tensor(starts)[:, None].to(device), torch.ones(B, 1, dtype=torch.bool, device=device),
+                              tables.to(device), K, block_size, ctx_t.to(device), None)
+    q_lens_t = torch.tensor(q_lens)
     q_off = torch.arange(Q)
     query_valid = q_off[None, :] < q_lens_t[:, None]
     token_idx = torch.tensor(starts)[:, None] + torch.minimum(q_off[None, :], q_lens_t[:, None] - 1)
@@ -71,8 +78,6 @@ def build_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_t[:, None, None])
     if sliding_window is not None:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    nb = (K + block_size - 1) // block_size
-    tables = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables], dtype=torch.long)
     return AttentionGroup(token_idx.to(device), query_valid.to(device), tables.to(device), K, block_size, ctx_t.to(device),
                           mask[:, None].to(device))
 

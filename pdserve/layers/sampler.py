@@ -79,6 +79,7 @@ class Sampler:
         # top-p: drop a token once the mass before it already reaches top_p (the first always stays)
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
         drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+        drop[:, 0] = False   # the most likely token always stays, whatever top_p rounds to
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         filtered = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
         return filtered.softmax(dim=-1)

@@ -168,3 +168,12 @@ def test_logprobs_match_the_reference(llm, prompts, tiny_qwen2):
         assert tok in lp and len(lp) >= 3
         assert lp[tok] == pytest.approx(row[tok].item(), abs=3e-4)
         assert set(lp) >= set(row.topk(3).indices.tolist())
+
+
+def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token(tiny_llama):
+    from pdserve import LLM
+    llm = LLM(tiny_llama)
+    greedy = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    tiny_p = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-300,
+                                                               seed=1, ignore_eos=True))[0]
+    assert tiny_p.token_ids == greedy.token_ids
