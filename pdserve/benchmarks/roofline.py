@@ -43,10 +43,11 @@ class ModelCost:
     lm_head_params: int       # used once per row that gets logits
     embed_row_params: int     # gathered per token (token embedding; OPT's learned position too)
     sliding_window: int | None
-    itemsize: int
+    itemsize: int                 # bytes per activation, KV element and non-matmul weight
+    weight_itemsize: float = 0.0  # bytes per linear (and lm_head) weight, if not itemsize: int8 = 1
 
     @classmethod
-    def from_config(cls, m: ModelConfig, itemsize: int) -> "ModelCost":
+    def from_config(cls, m: ModelConfig, itemsize: int, weight_itemsize: float = 0.0) -> "ModelCost":
         h, H, Hkv, D, I, L = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size,
                               m.num_layers)
         raw = m.raw
@@ -57,7 +58,7 @@ class ModelCost:
             final_ln = raw.get("do_layer_norm_before", True) and not raw.get("_remove_final_layer_norm", False)
             matmul = L * (4 * h * h + 2 * h * I) + (2 * proj * h if proj != h else 0)
             other = L * ((5 * h + I if bias else 0) + (4 * h if affine else 0)) + (2 * h if final_ln and affine else 0)
-            return cls(L, H, H, D, matmul, other, proj * m.vocab_size, proj + h, None, itemsize)
+            return cls(L, H, H, D, matmul, other, proj * m.vocab_size, proj + h, None, itemsize, weight_itemsize)
         qwen2 = m.architecture == "Qwen2ForCausalLM"
         qkv_bias = qwen2 or raw.get("attention_bias", False)
         o_bias = not qwen2 and raw.get("attention_bias", False)
@@ -65,7 +66,7 @@ class ModelCost:
         biases = (H * D + 2 * Hkv * D if qkv_bias else 0) + (h if o_bias else 0) + \
                  (2 * I + h if raw.get("mlp_bias", False) else 0)
         other = L * (2 * h + biases) + h
-        return cls(L, H, Hkv, D, matmul, other, h * m.vocab_size, h, m.sliding_window, itemsize)
+        return cls(L, H, Hkv, D, matmul, other, h * m.vocab_size, h, m.sliding_window, itemsize, weight_itemsize)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -102,12 +103,12 @@ def step_cost(m: ModelCost, seqs: list[tuple[int, int]], logit_rows: int) -> Ste
         w = m.sliding_window or c
         keys += sum(min(p + 1, w) for p in range(c - q, c))
         kv_tokens += min(c, q + w - 1)   # the keys any of its queries sees, each read once
-    weights = m.body_matmul_params + m.body_other_params + (m.lm_head_params if logit_rows else 0)
+    matmul = m.body_matmul_params + (m.lm_head_params if logit_rows else 0)
     return StepCost(
         flops_linear=2 * m.body_matmul_params * T,
         flops_attn=4 * m.num_layers * m.num_heads * m.head_dim * keys,   # QK^T and PV, 2 FLOPs per MAC
         flops_lm_head=2 * m.lm_head_params * logit_rows,
-        bytes_weights=(weights + m.embed_row_params * T) * m.itemsize,
+        bytes_weights=matmul * (m.weight_itemsize or m.itemsize) + (m.body_other_params + m.embed_row_params * T) * m.itemsize,
         bytes_kv_read=kv_tokens * m.kv_bytes_per_token,
         bytes_kv_write=T * m.kv_bytes_per_token)
 
@@ -400,7 +401,8 @@ def run(args) -> int:
     probe_args = (args.quick, ["float32", "bfloat16", dtype], max(repeats, 3))
     limits = machine_limits.measure(*probe_args)
 
-    mc = ModelCost.from_config(engine.model_config, engine.runner.dtype.itemsize)
+    packed = {"int8": 1, "bf16": 2, "fp32": 4}.get(engine.runner.weight_format, 0)   # CPU packed linears
+    mc = ModelCost.from_config(engine.model_config, engine.runner.dtype.itemsize, packed)
     vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
     ids = torch.randint(vocab, (max([oc] + [c for _, _, c in points]),),
                         generator=torch.Generator().manual_seed(0)).tolist()

@@ -75,7 +75,7 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         layers = [mod for mod in self.model.modules() if isinstance(mod, PagedAttention)]
         assert len(layers) == m.num_layers
-        self.decode_kernel = self.weight_format != "torch" and m.head_dim % 16 == 0
+        self.decode_kernel = self.weight_format != "torch" and m.head_dim in (16, 32, 64, 96, 128)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.sliding_window = m.sliding_window

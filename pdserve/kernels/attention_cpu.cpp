@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -17,7 +18,42 @@ template <> inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-template <typename T>
+// exp for x <= 0 (softmax after subtracting the max): 2^n * poly(r), |r| <= ln2/2, rel. error ~1e-7
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax in place over s[0:n]
+inline void softmax(float* s, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + i));
+  }
+  const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), vmax)));
+    _mm512_mask_storeu_ps(s + i, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(s + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + i), inv));
+  }
+}
+
+// C = head_dim / 16 is a template argument so that q and the accumulators live in registers
+template <typename T, int C>
 void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* ctx,
                  float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t nb, int64_t bs,
                  float scale, int64_t window) {
@@ -31,40 +67,60 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, kvh = t % Hkv, n = ctx[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      const float* qb = q + (b * H + kvh * G) * D;    // the G query heads of this KV head
-      scores.assign(G * (n - first), 0.f);
-      // pass 1: scores q.k for every cached key
-      for (int64_t p = first; p < n; ++p) {
-        const T* k = kc + (tables[b * nb + p / bs] * bs + p % bs) * row + kvh * D;
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qb + g * D + d), load16<T>(k + d), acc);
-          scores[g * (n - first) + p - first] = _mm512_reduce_add_ps(acc) * scale;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0, len = n - first;
+      const int64_t* table = tables + b * nb;
+      scores.resize(G * len);
+      // Visit the cached rows block by block: f(position - first, pointer to this head's row)
+      auto for_each_row = [&](const T* cache, auto&& f) {
+        for (int64_t blk = first / bs; blk * bs < n; ++blk) {
+          const T* base = cache + table[blk] * bs * row + kvh * D;
+          const int64_t lo = std::max(first, blk * bs), hi = std::min(n, blk * bs + bs);
+          for (int64_t p = lo; p < hi; ++p) f(p - first, base + (p - blk * bs) * row);
         }
-      }
-      // softmax per head, then pass 2: the weighted sum of values
+      };
+      // pass 1: scores q.k, one query head at a time (its q stays in registers, K in L2)
       for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * (n - first);
-        float mx = -INFINITY, sum = 0.f;
-        for (int64_t i = 0; i < n - first; ++i) mx = std::max(mx, s[i]);
-        for (int64_t i = 0; i < n - first; ++i) { s[i] = std::exp(s[i] - mx); sum += s[i]; }
-        for (int64_t i = 0; i < n - first; ++i) s[i] /= sum;
+        const float* qg = q + (b * H + kvh * G + g) * D;
+        __m512 qv[C];
+        for (int c = 0; c < C; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_set1_ps(scale));
+        float* s = scores.data() + g * len;
+        for_each_row(kc, [&](int64_t i, const T* k) {
+          __m512 acc = _mm512_mul_ps(qv[0], load16<T>(k));
+          for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], load16<T>(k + 16 * c), acc);
+          s[i] = _mm512_reduce_add_ps(acc);
+        });
+        softmax(s, len);
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + (b * H + kvh * G + g) * D + d, _mm512_setzero_ps());
-      for (int64_t p = first; p < n; ++p) {
-        const T* v = vc + (tables[b * nb + p / bs] * bs + p % bs) * row + kvh * D;
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 vv = load16<T>(v + d);
-          for (int64_t g = 0; g < G; ++g) {
-            float* o = out + (b * H + kvh * G + g) * D + d;
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * (n - first) + p - first]), vv, _mm512_loadu_ps(o)));
-          }
-        }
+      // pass 2: weighted sum of values, one query head at a time, accumulated in registers
+      for (int64_t g = 0; g < G; ++g) {
+        const float* s = scores.data() + g * len;
+        __m512 acc[C];
+        for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+        for_each_row(vc, [&](int64_t i, const T* v) {
+          const __m512 w = _mm512_set1_ps(s[i]);
+          for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w, load16<T>(v + 16 * c), acc[c]);
+        });
+        float* o = out + (b * H + kvh * G + g) * D;
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
       }
     }
   });
+}
+
+template <typename T>
+void decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& tables,
+            const torch::Tensor& ctx, torch::Tensor& out, int64_t bs, float scale, int64_t window) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
+  auto args = std::make_tuple(q.data_ptr<float>(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables.data_ptr<int64_t>(),
+                              ctx.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, D, nb, bs, scale, window);
+  switch (D / 16) {
+    case 1: std::apply(decode_impl<T, 1>, args); break;
+    case 2: std::apply(decode_impl<T, 2>, args); break;
+    case 4: std::apply(decode_impl<T, 4>, args); break;
+    case 6: std::apply(decode_impl<T, 6>, args); break;
+    case 8: std::apply(decode_impl<T, 8>, args); break;
+    default: TORCH_CHECK(false, "decode attention kernel: head_dim must be 16, 32, 64, 96 or 128");
+  }
 }
 
 }  // namespace
@@ -80,19 +136,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong &&
               block_tables.is_contiguous() && ctx_lens.is_contiguous(), "tables and lengths must be int64");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  TORCH_CHECK(D % 16 == 0 && H % Hkv == 0 && k_cache.size(2) == D, "unsupported head shape");
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 96 || D == 128) && H % Hkv == 0 && k_cache.size(2) == D, "unsupported head shape");
   auto out = torch::empty_like(q);
   if (B == 0) return out;
-  const int64_t nb = block_tables.size(1);
   if (k_cache.scalar_type() == at::kFloat) {
-    decode_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                       block_tables.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H,
-                       Hkv, D, nb, block_size, static_cast<float>(scale), sliding_window);
+    decode<float>(q, k_cache, v_cache, block_tables, ctx_lens, out, block_size, static_cast<float>(scale), sliding_window);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
-    decode_impl<at::BFloat16>(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
-                              v_cache.data_ptr<at::BFloat16>(), block_tables.data_ptr<int64_t>(),
-                              ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, D, nb, block_size,
-                              static_cast<float>(scale), sliding_window);
+    decode<at::BFloat16>(q, k_cache, v_cache, block_tables, ctx_lens, out, block_size, static_cast<float>(scale),
+                         sliding_window);
   } else {
     TORCH_CHECK(false, "cache dtype must be float32 or bfloat16");
   }

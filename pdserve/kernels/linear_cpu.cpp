@@ -14,7 +14,7 @@ namespace {
 
 constexpr int PANEL = 16;   // output channels per panel: one zmm of fp32
 constexpr int NP = 4;       // panels per micro-tile (64 outputs)
-constexpr int KB = 256;     // k-block: NP panels x KB rows of weights stay in L2 across row tiles
+constexpr int KB = 512;     // k-block: NP panels x KB rows of weights stay in L2 across row tiles
 constexpr int MB = 96;      // row block: its x rows stay in L2 while all weights stream past once
 constexpr int64_t kMinParallelBytes = 512 << 10;  // less weight traffic (x row tiles) than this: one thread
 
@@ -80,9 +80,14 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad,
         float* yg = y + g * NP * PANEL;
         for (int64_t k0 = 0; k0 < K; k0 += KB) {
           const int64_t k1 = std::min(K, k0 + KB);
-          for (int64_t m = m0; m < m1; m += 6)
-            rows<W>(std::min<int64_t>(6, m1 - m), x + m * K, K, wg, panel_stride, yg + m * Npad, Npad, k0, k1,
-                    k0 == 0);
+          // balanced row tiles of at most 6 (32 rows: 6,6,5,5,5,5, not 6x5 + 2): a thin tile
+          // pays the same weight loads for fewer FMAs
+          const int64_t tiles = (m1 - m0 + 5) / 6;
+          for (int64_t t = 0, m = m0; t < tiles; ++t) {
+            const int64_t mt = (m1 - m + (tiles - t) - 1) / (tiles - t);
+            rows<W>(mt, x + m * K, K, wg, panel_stride, yg + m * Npad, Npad, k0, k1, k0 == 0);
+            m += mt;
+          }
         }
       }
     });

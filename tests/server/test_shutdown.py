@@ -59,7 +59,8 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server, make_tin
 def test_sigterm_under_load_finishes_every_admitted_stream(start_server, tiny_llama):
     # six streams against four seats: two still wait in the engine's queue when SIGTERM arrives
     server = start_server(tiny_llama, "--shutdown-timeout", "60", "--max-num-seqs", "4")
-    body = {"max_tokens": 120, "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+    # long enough (a few seconds) that all six are still in flight when the signal lands
+    body = {"max_tokens": 900, "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
     with cf.ThreadPoolExecutor(6) as pool:
         started = [cf.Future() for _ in range(6)]
         streams = [pool.submit(stream_events, server.url, {**body, "prompt": f"Story {i}:"}, started[i])
@@ -80,7 +81,7 @@ def test_sigterm_under_load_finishes_every_admitted_stream(start_server, tiny_ll
         for f in streams:
             events, completed = f.result()
             assert completed and events[-1] == "[DONE]"
-            assert events[-2]["usage"]["completion_tokens"] == 120
+            assert events[-2]["usage"]["completion_tokens"] == 900
             assert events[-3]["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(60) == 0
     assert time.monotonic() - t0 < 60   # left as soon as the streams were done, not at the timeout

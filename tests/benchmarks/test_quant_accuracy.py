@@ -1,0 +1,36 @@
+"""benchmarks/quant_accuracy.py's metrics, on made-up distributions, and one real run on a tiny model."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+import quant_accuracy  # noqa: E402
+
+
+def test_identical_distributions_agree_fully():
+    ref = torch.log_softmax(torch.randn(10, 50), dim=-1)
+    r = quant_accuracy.compare(ref, ref.clone())
+    assert r["top1_agreement"] == r["top5_overlap"] == r["ref_top1_in_top5"] == 1.0
+    assert abs(r["mean_kl"]) < 1e-6 and r["max_top1_logprob_change"] == 0.0
+
+
+def test_swapped_top_tokens_are_counted():
+    logits = torch.zeros(4, 10)
+    logits[:, 0], logits[:, 1] = 5.0, 4.0
+    other = logits.clone()
+    other[:2, 0], other[:2, 1] = 4.0, 5.0   # first two positions prefer token 1
+    r = quant_accuracy.compare(torch.log_softmax(logits, -1), torch.log_softmax(other, -1))
+    assert r["top1_agreement"] == 0.5 and r["ref_top1_in_top5"] == 1.0 and r["mean_kl"] > 0
+
+
+def test_runs_on_a_tiny_model(tiny_llama, tmp_path):
+    out = tmp_path / "acc.json"
+    assert quant_accuracy.main(["--model", tiny_llama, "--prompts", "2", "--prompt-len", "16", "--rounds", "1",
+                                "--output", str(out)]) == 0
+    import json
+    data = json.loads(out.read_text())
+    assert data["int8"]["positions"] == 32 and 0.5 < data["int8"]["top5_overlap"] <= 1.0
+    assert data["bf16"]["top1_agreement"] > 0.5
+    assert set(data["decode_tpot_ms"]) == {"fp32", "int8", "bf16"} and data["decode_speedup_vs_fp32"]["fp32"] == 1.0
