@@ -153,7 +153,8 @@ class EngineConfig:
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype == "auto":
-            # On CPU without AMX fp32 GEMMs beat bf16 (see docs), so auto means fp32 there.
+            # On CPU auto means fp32: results equal transformers'; bf16 (faster with AVX512-BF16,
+            # docs/BENCHMARKS.md) is asked for explicitly.
             if self.device == "cpu":
                 return torch.float32
             return getattr(torch, model_config.torch_dtype or "float32", torch.float32)

@@ -11,7 +11,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="HF-format checkpoint directory (default: the bundled default model)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype; auto = the checkpoint's torch_dtype on GPU, float32 on CPU "
-                        "(fp32 GEMMs are faster than bf16 on CPUs without AMX)")
+                        "(equal to transformers; bfloat16 is faster on CPUs with AVX512-BF16)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None,

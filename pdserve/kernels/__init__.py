@@ -14,13 +14,21 @@ _DIR = os.path.dirname(__file__)
 SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "attention_cpu.cpp")]
 
 
-def cpu_supports_avx512() -> bool:
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            return set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return " avx512f" in flags and " avx512bw" in flags
+        return set()
+
+
+def cpu_supports_avx512() -> bool:
+    return {"avx512f", "avx512bw"} <= _cpu_flags()
+
+
+def cpu_supports_bf16_dot() -> bool:
+    """AVX512-BF16 (vdpbf16ps): the bf16 dot-product path of the packed linear."""
+    return "avx512_bf16" in _cpu_flags()
 
 
 @functools.cache
@@ -32,7 +40,7 @@ def cpu_ops():
     from torch.utils.cpp_extension import load
     try:
         # -fopenmp: at::parallel_for runs on torch's OpenMP pool (the libgomp torch already loaded)
-        return load("pdserve_cpu_ops", SOURCES, extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-fopenmp"],
+        return load("pdserve_cpu_ops", SOURCES, extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"],
                     extra_ldflags=["-lgomp"], verbose=False)
     except Exception as e:  # compiler missing or failing: fall back, loudly
         msg = str(e).strip().splitlines()

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cstring>
 
 namespace {
 
@@ -94,6 +95,66 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad,
   }
 }
 
+// bf16 x bf16 -> fp32 dot products (AVX512-BF16): twice the multiply-adds per instruction of
+// fp32 FMAs, for the compute-bound products of a bf16 model (prefill, large decode batches).
+// Weights are packed in k-pairs: panel p holds P[p][k/2][16 channels][2], activations are bf16.
+template <int MT>
+inline void micro_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, float* y, int64_t ldy,
+                     int64_t kp0, int64_t kp1, bool first) {
+  __m512 acc[MT][NP];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NP; ++j)
+      acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + j * PANEL);
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    __m512bh wv[NP];
+    for (int j = 0; j < NP; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_stride + kp * 2 * PANEL);
+    for (int m = 0; m < MT; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + j * PANEL, acc[m][j]);
+}
+
+void rows_dp(int64_t mt, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ps, float* y, int64_t ldy,
+             int64_t k0, int64_t k1, bool first) {
+  switch (mt) {
+    case 1: micro_dp<1>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+    case 2: micro_dp<2>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+    case 3: micro_dp<3>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+    case 4: micro_dp<4>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+    case 5: micro_dp<5>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+    default: micro_dp<6>(x, ldx, w, ps, y, ldy, k0, k1, first); break;
+  }
+}
+
+// The same blocking as linear_impl, over k-pairs.
+void linear_dp_impl(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t Npad, float* y) {
+  const int64_t KP = K / 2, panel_stride = KP * 2 * PANEL, groups = Npad / (PANEL * NP);
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t m1 = std::min(M, m0 + MB);
+    const int64_t grain = std::max<int64_t>(1, kMinParallelBytes / (NP * panel_stride * 2 * (m1 - m0 + 5) / 6));
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint16_t* wg = w + g * NP * panel_stride;
+        float* yg = y + g * NP * PANEL;
+        for (int64_t k0 = 0; k0 < KP; k0 += KB / 2) {
+          const int64_t k1 = std::min(KP, k0 + KB / 2);
+          const int64_t tiles = (m1 - m0 + 5) / 6;
+          for (int64_t t = 0, m = m0; t < tiles; ++t) {
+            const int64_t mt = (m1 - m + (tiles - t) - 1) / (tiles - t);
+            rows_dp(mt, x + m * K, K, wg, panel_stride, yg + m * Npad, Npad, k0, k1, k0 == 0);
+            m += mt;
+          }
+        }
+      }
+    });
+  }
+}
+
 }  // namespace
 
 // x: (M, K) fp32 contiguous; packed: (Npad/16, K, 16) fp32|bf16|int8; scale: (Npad,) fp32 or empty.
@@ -119,5 +180,19 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
       TORCH_CHECK(false, "packed weight dtype must be float32, bfloat16 or int8");
   }
   if (scale.defined() && scale.numel() > 0) y.mul_(scale);
+  return y;
+}
+
+// x: (M, K) bf16, K even; packed: (Npad/16, K/2, 32) bf16 (k-pairs). Returns (M, Npad) fp32.
+torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be (M, K) bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * PANEL && packed.scalar_type() == at::kBFloat16 &&
+              packed.is_contiguous(), "bad pair-packed weight");
+  const int64_t M = x.size(0), K = x.size(1), Npad = packed.size(0) * PANEL;
+  TORCH_CHECK(K % 2 == 0 && packed.size(1) * 2 == K && Npad % (PANEL * NP) == 0, "packed weight does not match x");
+  auto y = torch::empty({M, Npad}, x.options().dtype(at::kFloat));
+  if (M == 0) return y;
+  linear_dp_impl(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, y.data_ptr<float>());
   return y;
 }

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
+torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
                                      double scale, int64_t sliding_window);
@@ -10,6 +11,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // answering (/health, refusals, streaming) while the engine thread computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "y = x @ W^T with W packed in 16-channel panels (linear_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("packed_linear_bf16_pairs", &packed_linear_bf16_pairs,
+        "y = x @ W^T, bf16 x and W in k-pair panels, AVX512-BF16 dot products (linear_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-query attention over the paged KV cache (attention_cpu.cpp)", py::call_guard<py::gil_scoped_release>());

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import cpu_ops
+from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
 from pdserve.layers.packed_linear import PackedLinear, TiedPackedEmbedding
 from tests.engine.helpers import corpus_prompts
 
@@ -41,12 +41,26 @@ def test_keeps_leading_dims_and_dtype():
     torch.testing.assert_close(out, F.linear(xb, lin.weight.bfloat16()), rtol=2e-2, atol=2e-2)
 
 
-def test_bf16_weights_are_the_bf16_rounding():
-    lin = _linear(200, 96, bias=True)
-    x = torch.randn(9, 96)
+@pytest.mark.parametrize("n_in", [96, 95])   # odd K: no k-pairs, the widening path
+def test_bf16_weights_are_the_bf16_rounding(n_in):
+    lin = _linear(200, n_in, bias=True)
+    x = torch.randn(9, n_in)
+    packed = PackedLinear(lin, "bf16")
+    # with AVX512-BF16 and even K the activations are rounded to bf16 too (bf16 dot products)
+    assert packed.fmt == ("bf16x2" if n_in % 2 == 0 and cpu_supports_bf16_dot() else "bf16")
+    xs = x.bfloat16().float() if packed.fmt == "bf16x2" else x
+    want = F.linear(xs, lin.weight.bfloat16().float(), lin.bias)   # exact bf16 products, fp32 sums
+    torch.testing.assert_close(packed(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_supports_bf16_dot(), reason="no AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 6, 7, 13, 200])
+def test_bf16_pairs_for_every_row_count(rows):
+    lin = _linear(1000, 260, bias=False)
+    x = torch.randn(rows, 260).bfloat16()
     got = PackedLinear(lin, "bf16")(x)
-    want = F.linear(x, lin.weight.bfloat16().float(), lin.bias)   # exact bf16 weights, fp32 math
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want = F.linear(x.float(), lin.weight.bfloat16().float()).bfloat16()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
 def test_int8_is_per_channel_symmetric_quantization():
