@@ -49,7 +49,10 @@ class Sampler:
                 seen = torch.tensor(sorted(set(s.token_ids)), device=logits.device)
                 seen = seen[seen < V]
                 vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                # clamped: an extreme penalty must not make +-inf (then NaN in the softmax)
+                big = torch.finfo(logits.dtype).max
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                              vals * p.repetition_penalty).clamp(-big, big)
             if (p.presence_penalty or p.frequency_penalty) and s.num_output_tokens:
                 # OpenAI rule over the output only
                 out = torch.tensor(s.output_token_ids, device=logits.device)
@@ -67,7 +70,8 @@ class Sampler:
     def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         dev = logits.device
         temp = torch.tensor([s.params.temperature for s in seqs], device=dev)
-        logits = logits / temp[:, None]
+        big = torch.finfo(logits.dtype).max
+        logits = (logits / temp[:, None]).clamp(-big, big)
         V = logits.shape[-1]
         top_k = torch.tensor([s.params.top_k or V for s in seqs], device=dev)
         top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)

@@ -177,3 +177,18 @@ def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token(tiny_llama):
     tiny_p = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-300,
                                                                seed=1, ignore_eos=True))[0]
     assert tiny_p.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e308])
+def test_extreme_repetition_penalty_stays_finite(tiny_llama, penalty):
+    from pdserve import LLM
+    llm = LLM(tiny_llama)
+    prompt = corpus_prompts(llm.tokenizer, lens=[40])[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.7, seed=3, ignore_eos=True,
+                                                repetition_penalty=penalty, logprobs=1))[0]
+    assert all(math.isfinite(lp) for step in out.logprobs for lp in step.values())
+    if penalty < 1:   # every seen token with a positive logit is pushed to the top: the draw stays among them
+        seen = set(prompt)
+        for t in out.token_ids:
+            assert t in seen
+            seen.add(t)
