@@ -120,12 +120,11 @@ def measure(quick: bool, dtypes: list[str], repeats: int, log=print) -> MachineL
         log(f"  read {read_bytes >> 20} MiB with {t} thread(s): {limits.read_bandwidth[t] / 1e9:.1f} GB/s")
     limits.gemv_bandwidth = gemv_bandwidth(x, repeats)
     log(f"  fp32 GEMV reads the same array as its weight at {limits.gemv_bandwidth / 1e9:.1f} GB/s")
-    if torch.device("cpu") == x.device:
-        limits.kernel_gemv_bandwidth = kernel_gemv_bandwidth(x, repeats)
-        limits.kernel_gemm_flops = kernel_gemm_flops(n, repeats)
-        if limits.kernel_gemm_flops:
-            log(f"  pdserve packed fp32 GEMV reads it at {limits.kernel_gemv_bandwidth / 1e9:.1f} GB/s; "
-                f"packed fp32 GEMM {n}^3: {limits.kernel_gemm_flops / 1e9:.0f} GFLOP/s")
+    limits.kernel_gemv_bandwidth = kernel_gemv_bandwidth(x, repeats)
+    limits.kernel_gemm_flops = kernel_gemm_flops(n, repeats)
+    if limits.kernel_gemm_flops:
+        log(f"  pdserve packed fp32 GEMV reads it at {limits.kernel_gemv_bandwidth / 1e9:.1f} GB/s; "
+            f"packed fp32 GEMM {n}^3: {limits.kernel_gemm_flops / 1e9:.0f} GFLOP/s")
     del x
     for name in dict.fromkeys(dtypes):   # ordered, no repeats
         limits.gemm_flops[name] = gemm_flops(n, DTYPES[name], repeats)

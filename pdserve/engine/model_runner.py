@@ -28,6 +28,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(model_config, self.dtype, config.device)
         self.weight_format = self._pack_linears()
+        # decode groups then skip their mask and run kernels/attention_cpu.cpp (head sizes it has)
+        self.decode_kernel = self.weight_format != "torch" and model_config.head_dim in (16, 32, 64, 96, 128)
         self.num_blocks = self._num_blocks(max_model_len)
         self._allocate_kv_cache()
         self.sampler = Sampler(eos_token_ids, self.device, config.seed)
@@ -75,11 +77,8 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         layers = [mod for mod in self.model.modules() if isinstance(mod, PagedAttention)]
         assert len(layers) == m.num_layers
-        self.decode_kernel = self.weight_format != "torch" and m.head_dim in (16, 32, 64, 96, 128)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            layer.sliding_window = m.sliding_window
-            layer.cpu_ops = cpu_ops() if self.decode_kernel else None
 
     def prepare(self, sched: SchedulerOutput):
         """Flat inputs for the step, and which flat rows need logits (with their sequences)."""

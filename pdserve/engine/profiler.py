@@ -3,6 +3,7 @@
 Every step already times its phases (StepStats.phases): schedule, prepare (flat inputs and
 attention metadata), forward (model and lm_head), sample, output (detokenize, stop checks,
 outputs). Overhead is everything but the forward: what the engine adds to the model's own cost."""
+import collections
 import logging
 from dataclasses import dataclass, field
 
@@ -10,23 +11,29 @@ from pdserve.engine.outputs import StepStats
 
 log = logging.getLogger("pdserve.engine")
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
+KEEP_STEPS = 10_000   # history kept for summary(): a long-running server must not grow without bound
 
 
 @dataclass
 class StepProfiler:
     log_every: int = 0              # log a summary every this many steps (0: never, read summary())
-    steps: list[StepStats] = field(default_factory=list)
+    steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=KEEP_STEPS))
+    _window: list = field(default_factory=list)   # the steps since the last logged summary
 
     def add(self, step: StepStats) -> None:
         self.steps.append(step)
-        if self.log_every and len(self.steps) % self.log_every == 0:
-            log.info("step profile (last %d steps): %s", self.log_every, format_summary(summarize(self.steps[-self.log_every:])))
+        if self.log_every:
+            self._window.append(step)
+            if len(self._window) == self.log_every:
+                log.info("step profile (last %d steps): %s", self.log_every, format_summary(summarize(self._window)))
+                self._window = []
 
     def summary(self) -> dict:
+        """Over the last KEEP_STEPS steps."""
         return summarize(self.steps)
 
 
-def summarize(steps: list[StepStats]) -> dict:
+def summarize(steps) -> dict:
     """Mean ms per phase, overhead (step minus forward) in ms and as a share of the step."""
     steps = [s for s in steps if s.phases]
     if not steps:

@@ -14,12 +14,13 @@ _DIR = os.path.dirname(__file__)
 SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "attention_cpu.cpp")]
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache   # asked once per linear layer at load
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 def cpu_supports_avx512() -> bool:

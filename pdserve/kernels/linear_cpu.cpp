@@ -64,35 +64,41 @@ void rows(int64_t mt, const float* x, int64_t ldx, const W* w, int64_t ps, float
   }
 }
 
-template <typename W>
-void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad, float* y) {
-  const int64_t panel_stride = K * PANEL;
-  const int64_t groups = Npad / (PANEL * NP);
-  // Decode (M <= MB) reads the weights once. Threads split the output channels: each reads a
-  // disjoint, contiguous part of the weights.
+// The blocking both products share. Row blocks of MB: decode (M <= MB) reads the weights once.
+// Threads split the output channels into groups of NP panels: each reads a disjoint, contiguous
+// part of the weights. Then k-blocks, then balanced row tiles of at most 6 (32 rows: 6,6,5,5,5,5,
+// not 6x5 + 2): a thin tile pays the same weight loads for fewer FMAs.
+// tile(mt, m, g, k0, k1): rows [m, m + mt) x group g over k-steps [k0, k1).
+template <typename Tile>
+void for_each_tile(int64_t M, int64_t ksteps, int64_t kblock, int64_t groups, int64_t group_bytes, const Tile& tile) {
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t m1 = std::min(M, m0 + MB);
     // Small products run on one thread: waking a second one costs more than it saves, and on a
     // busy machine a parallel region waits for a descheduled thread.
-    const int64_t grain = std::max<int64_t>(1, kMinParallelBytes / (NP * panel_stride * int64_t(sizeof(W)) * (m1 - m0 + 5) / 6));
+    const int64_t grain = std::max<int64_t>(1, kMinParallelBytes / (group_bytes * (m1 - m0 + 5) / 6));
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
-        const W* wg = w + g * NP * panel_stride;
-        float* yg = y + g * NP * PANEL;
-        for (int64_t k0 = 0; k0 < K; k0 += KB) {
-          const int64_t k1 = std::min(K, k0 + KB);
-          // balanced row tiles of at most 6 (32 rows: 6,6,5,5,5,5, not 6x5 + 2): a thin tile
-          // pays the same weight loads for fewer FMAs
+        for (int64_t k0 = 0; k0 < ksteps; k0 += kblock) {
+          const int64_t k1 = std::min(ksteps, k0 + kblock);
           const int64_t tiles = (m1 - m0 + 5) / 6;
           for (int64_t t = 0, m = m0; t < tiles; ++t) {
             const int64_t mt = (m1 - m + (tiles - t) - 1) / (tiles - t);
-            rows<W>(mt, x + m * K, K, wg, panel_stride, yg + m * Npad, Npad, k0, k1, k0 == 0);
+            tile(mt, m, g, k0, k1);
             m += mt;
           }
         }
       }
     });
   }
+}
+
+template <typename W>
+void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad, float* y) {
+  const int64_t ps = K * PANEL;   // elements per panel
+  for_each_tile(M, K, KB, Npad / (PANEL * NP), NP * ps * int64_t(sizeof(W)),
+                [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1) {
+                  rows<W>(mt, x + m * K, K, w + g * NP * ps, ps, y + m * Npad + g * NP * PANEL, Npad, k0, k1, k0 == 0);
+                });
 }
 
 // bf16 x bf16 -> fp32 dot products (AVX512-BF16): twice the multiply-adds per instruction of
@@ -133,26 +139,11 @@ void rows_dp(int64_t mt, const uint16_t* x, int64_t ldx, const uint16_t* w, int6
 
 // The same blocking as linear_impl, over k-pairs.
 void linear_dp_impl(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t Npad, float* y) {
-  const int64_t KP = K / 2, panel_stride = KP * 2 * PANEL, groups = Npad / (PANEL * NP);
-  for (int64_t m0 = 0; m0 < M; m0 += MB) {
-    const int64_t m1 = std::min(M, m0 + MB);
-    const int64_t grain = std::max<int64_t>(1, kMinParallelBytes / (NP * panel_stride * 2 * (m1 - m0 + 5) / 6));
-    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const uint16_t* wg = w + g * NP * panel_stride;
-        float* yg = y + g * NP * PANEL;
-        for (int64_t k0 = 0; k0 < KP; k0 += KB / 2) {
-          const int64_t k1 = std::min(KP, k0 + KB / 2);
-          const int64_t tiles = (m1 - m0 + 5) / 6;
-          for (int64_t t = 0, m = m0; t < tiles; ++t) {
-            const int64_t mt = (m1 - m + (tiles - t) - 1) / (tiles - t);
-            rows_dp(mt, x + m * K, K, wg, panel_stride, yg + m * Npad, Npad, k0, k1, k0 == 0);
-            m += mt;
-          }
-        }
-      }
-    });
-  }
+  const int64_t ps = K * PANEL;   // elements per panel: K / 2 pairs of 2 x 16
+  for_each_tile(M, K / 2, KB / 2, Npad / (PANEL * NP), NP * ps * 2,
+                [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1) {
+                  rows_dp(mt, x + m * K, K, w + g * NP * ps, ps, y + m * Npad + g * NP * PANEL, Npad, k0, k1, k0 == 0);
+                });
 }
 
 }  // namespace

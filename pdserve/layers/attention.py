@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import cpu_ops
+
 
 @dataclass
 class AttentionGroup:
@@ -26,7 +28,10 @@ class AttentionGroup:
     num_keys: int             # K: the longest context in the group
     block_size: int
     ctx_lens: torch.Tensor    # (B,) int64: keys of each sequence, this step's included
-    mask: torch.Tensor | None  # (B, 1, Q, K) bool: causal within the sequence, False on padding
+    sliding_window: int | None
+    # (B, 1, Q, K) bool: causal within the sequence, False on padding. None: a decode group for the
+    # CPU decode kernel, which reads the cache in place and needs no mask.
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -67,7 +72,7 @@ def build_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block
     if not with_mask:
         assert Q == 1
         return AttentionGroup(torch.tensor(starts)[:, None].to(device), torch.ones(B, 1, dtype=torch.bool, device=device),
-                              tables.to(device), K, block_size, ctx_t.to(device), None)
+                              tables.to(device), K, block_size, ctx_t.to(device), sliding_window, None)
     q_lens_t = torch.tensor(q_lens)
     q_off = torch.arange(Q)
     query_valid = q_off[None, :] < q_lens_t[:, None]
@@ -79,7 +84,7 @@ def build_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block
     if sliding_window is not None:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     return AttentionGroup(token_idx.to(device), query_valid.to(device), tables.to(device), K, block_size, ctx_t.to(device),
-                          mask[:, None].to(device))
+                          sliding_window, mask[:, None].to(device))
 
 
 class PagedAttention(nn.Module):
@@ -89,10 +94,6 @@ class PagedAttention(nn.Module):
         # Set by the model runner once the cache is allocated: (num_slots, Hkv, D) views.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.sliding_window: int | None = None
-        # Set by the model runner on CPU: pdserve.kernels ops, whose decode attention reads the
-        # paged cache in place (no gathered copy, no mask).
-        self.cpu_ops = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, Hkv, D). Returns (T, H * D)."""
@@ -102,7 +103,7 @@ class PagedAttention(nn.Module):
         self.v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for g in meta.groups:
-            if self.cpu_ops is not None and g.token_idx.shape[1] == 1:
+            if g.mask is None:   # the runner chose the CPU decode kernel for this group
                 out[g.token_idx[:, 0]] = self._decode_cpu(q[g.token_idx[:, 0]], g)
                 continue
             qg = q[g.token_idx].transpose(1, 2)                 # (B, H, Q, D)
@@ -115,8 +116,8 @@ class PagedAttention(nn.Module):
         return out.reshape(q.shape[0], -1)
 
     def _decode_cpu(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
-        out = self.cpu_ops.paged_decode_attention(q.float().contiguous(), self.k_cache, self.v_cache, g.block_tables,
-                                                  g.ctx_lens, g.block_size, self.scale, self.sliding_window or 0)
+        out = cpu_ops().paged_decode_attention(q.float().contiguous(), self.k_cache, self.v_cache, g.block_tables,
+                                               g.ctx_lens, g.block_size, self.scale, g.sliding_window or 0)
         return out.to(q.dtype)
 
     @staticmethod

@@ -85,10 +85,12 @@ def pack_model(model: nn.Module, fmt: str, embed_name: str | None) -> nn.Module:
     lm_head. Frees each original weight as it goes, so peak memory grows by one matrix only."""
     tied = embed_name is not None
     dtype = next(model.parameters()).dtype
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, nn.Linear):
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(mod, fmt))
+    # names, not modules: holding every nn.Linear in a list would keep all original weights alive
+    # until the loop ends (peak memory: the whole model twice)
+    for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        parent, _, attr = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, attr, PackedLinear(getattr(owner, attr), fmt))
     if tied:
         parent, _, attr = embed_name.rpartition(".")
         setattr(model.get_submodule(parent), attr, TiedPackedEmbedding(model.lm_head, dtype))

@@ -67,3 +67,17 @@ def chunked_logits(engine, ids: list[int], chunk: int) -> torch.Tensor:
     finally:
         bm.free(seq)
     return torch.cat(out)
+
+
+def tokens_before_divergence(ref_outputs, other_outputs) -> int:
+    """vLLM's rule for comparing precisions on greedy outputs with logprobs=5: at the first token
+    where a pair differs, each side's token must be among the other's top-5 (asserted). Returns
+    how many tokens matched before each pair's first difference, summed."""
+    same = 0
+    for a, b in zip(ref_outputs, other_outputs):
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+            if x != y:
+                assert x in b.logprobs[i] and y in a.logprobs[i], f"token {i}: {x} vs {y}"
+                break
+            same += 1
+    return same

@@ -33,15 +33,14 @@ def test_kernel_equals_sdpa(H, Hkv, D, block_size, window, dtype):
     layer = PagedAttention(H, Hkv, D, scale=D ** -0.5)
     cache = torch.randn(2, num_blocks * block_size, Hkv, D).to(dtype)
     layer.k_cache, layer.v_cache = cache[0], cache[1]
-    layer.sliding_window = window
     q = torch.randn(B, H, D).to(dtype)
     k = torch.randn(B, Hkv, D).to(dtype)
     v = torch.randn(B, Hkv, D).to(dtype)
     slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, ctx)])
-    group = build_group([1] * B, list(range(B)), ctx, tables, block_size, window, "cpu")
-    meta = AttentionMetadata(slot_mapping=slots, groups=[group])
-    want = _run(layer, q, k, v, meta)          # torch: gather blocks, masked SDPA
-    layer.cpu_ops = cpu_ops()
-    got = _run(layer, q, k, v, meta)
+    def meta(with_mask):
+        return AttentionMetadata(slot_mapping=slots, groups=[
+            build_group([1] * B, list(range(B)), ctx, tables, block_size, window, "cpu", with_mask=with_mask)])
+    want = _run(layer, q, k, v, meta(True))    # torch: gather blocks, masked SDPA
+    got = _run(layer, q, k, v, meta(False))    # no mask: the CPU decode kernel
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

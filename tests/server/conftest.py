@@ -15,6 +15,29 @@ import httpx
 import pytest
 
 
+def metrics(url: str) -> dict[str, float]:
+    """The /metrics samples as {'name{labels}': value}."""
+    samples = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_for(url: str, predicate, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until predicate(samples) holds; returns the samples (fails the test otherwise)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if predicate(m):
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"metrics condition not met within {timeout}s: "
+                        f"{ {k: v for k, v in m.items() if not re.search('_bucket|_created', k)} }")
+        time.sleep(0.02)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,26 +75,10 @@ class Server:
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()[-3000:]}")
 
     def metrics(self) -> dict[str, float]:
-        """The /metrics samples as {'name{labels}': value}."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return metrics(self.url)
 
     def wait_for(self, predicate, timeout: float = 10.0) -> dict[str, float]:
-        """Poll /metrics until predicate(samples) holds; returns the samples (fails the test otherwise)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if predicate(m):
-                return m
-            if time.monotonic() > deadline:
-                pytest.fail(f"metrics condition not met within {timeout}s: "
-                            f"{ {k: v for k, v in m.items() if not re.search('_bucket|_created', k)} }")
-            time.sleep(0.05)
+        return wait_for(self.url, predicate, timeout)
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -4,12 +4,11 @@ import contextlib
 import threading
 import time
 
-import httpx
 import uvicorn
 
 from pdserve.server.app import build_app
 from pdserve.server.state import ServerConfig
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_for
 
 
 @contextlib.contextmanager
@@ -30,26 +29,6 @@ def serve(engine, **config):
     finally:
         server.should_exit = True
         thread.join(30)
-
-
-def metrics(url: str) -> dict[str, float]:
-    """The /metrics samples as {'name{labels}': value}."""
-    samples = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def wait_for(url: str, predicate, timeout: float = 20.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(url)
-        if predicate(m):
-            return m
-        assert time.monotonic() < deadline, f"metrics condition not met within {timeout}s"
-        time.sleep(0.02)
 
 
 def wait_idle(url: str) -> dict[str, float]:

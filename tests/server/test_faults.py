@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from tests.server.inprocess import metrics, serve, wait_for, wait_idle
+from tests.server.conftest import metrics, wait_for
+from tests.server.inprocess import serve, wait_idle
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
 SHORT = {"prompt": "The sea", "max_tokens": 6, "ignore_eos": True, "temperature": 0}
