@@ -29,3 +29,14 @@ def test_off_by_default(tiny_llama):
     llm = LLM(tiny_llama)
     llm.generate(["hello"], SamplingParams(max_tokens=2))
     assert llm.engine.profiler is None and llm.engine.last_step.phases   # phases are always timed
+
+
+def test_history_is_bounded_for_long_running_servers():
+    from pdserve.engine.outputs import StepStats
+    from pdserve.engine.profiler import KEEP_STEPS, StepProfiler
+    prof = StepProfiler(log_every=7)
+    phases = dict.fromkeys(PHASES, 0.001)
+    for i in range(KEEP_STEPS + 50):
+        prof.add(StepStats(float(i), 0.005, 1, 0, 1, 0, 0.001, phases))
+    assert len(prof.steps) == KEEP_STEPS and prof.steps[0].start_time == 50.0
+    assert prof.summary()["steps"] == KEEP_STEPS and len(prof._window) == (KEEP_STEPS + 50) % 7
