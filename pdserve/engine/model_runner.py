@@ -28,8 +28,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(model_config, self.dtype, config.device)
         self.weight_format = self._pack_linears()
-        # decode groups then skip their mask and run kernels/attention_cpu.cpp (head sizes it has)
-        self.decode_kernel = self.weight_format != "torch" and model_config.head_dim in (16, 32, 64, 96, 128)
+        # attention groups then skip their mask and run kernels/attention_cpu.cpp (decode) and
+        # kernels/prefill_attention_cpu.cpp (prefill), for the head sizes they have
+        self.attention_kernels = self.weight_format != "torch" and model_config.head_dim in (16, 32, 64, 96, 128)
         self.num_blocks = self._num_blocks(max_model_len)
         self._allocate_kv_cache()
         self.sampler = Sampler(eos_token_ids, self.device, config.seed)
@@ -104,8 +105,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            groups=[build_group(*g, bs, self.sliding_window, dev, with_mask=not (decode and self.decode_kernel))
-                    for decode, g in groups.items() if g[0]])
+            groups=[build_group(*g, bs, self.sliding_window, dev, with_mask=not self.attention_kernels)
+                    for g in groups.values() if g[0]])
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, logit_rows, sample_seqs)
 

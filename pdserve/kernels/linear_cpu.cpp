@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "vec512.h"
 #include <cstring>
 
 namespace {
@@ -19,17 +20,7 @@ constexpr int KB = 512;     // k-block: NP panels x KB rows of weights stay in L
 constexpr int MB = 96;      // row block: its x rows stay in L2 while all weights stream past once
 constexpr int64_t kMinParallelBytes = 512 << 10;  // less weight traffic (x row tiles) than this: one thread
 
-template <typename W> inline __m512 load16(const W* p);
-template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
-  // bf16 is the top half of an fp32: widen and shift
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-template <> inline __m512 load16<int8_t>(const int8_t* p) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
+using pdserve::load16;
 
 // MT rows x NP panels over k in [k0, k1); accumulates into y (row stride ldy) unless first.
 template <typename W, int MT>

@@ -6,8 +6,11 @@ torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
                                      double scale, int64_t sliding_window);
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                             torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens, torch::Tensor out,
+                             int64_t block_size, double scale, int64_t sliding_window);
 
-// Both release the GIL while they run, as torch's own ops do: the server's asyncio thread keeps
+// All release the GIL while they run, as torch's own ops do: the server's asyncio thread keeps
 // answering (/health, refusals, streaming) while the engine thread computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "y = x @ W^T with W packed in 16-channel panels (linear_cpu.cpp)",
@@ -17,4 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-query attention over the paged KV cache (attention_cpu.cpp)", py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of prefill chunks over the paged KV cache, into out (prefill_attention_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -3,8 +3,10 @@
 The engine step puts prefill chunks and decode tokens of many sequences into one flat batch of T
 tokens. Each layer writes the new K/V into their cache slots (an index write) and then lets every
 query attend to its own sequence's cached K/V. Decodes (one query each) and prefill chunks (many
-queries each) are gathered into two padded groups so that each is one batched
-scaled_dot_product_attention call, with no Python loop over sequences.
+queries each) form two groups, each one call with no Python loop over sequences: on CPU with the
+compiled kernels, kernels/attention_cpu.cpp (decode) and kernels/prefill_attention_cpu.cpp (prefill)
+read the cache in place; elsewhere each group is gathered, padded and masked for one batched
+scaled_dot_product_attention call.
 
 The per-step metadata (slot mapping, gather indices, masks) is built once per step by the model
 runner and made visible to every layer through `attention_context` for the duration of the forward.
@@ -29,9 +31,11 @@ class AttentionGroup:
     block_size: int
     ctx_lens: torch.Tensor    # (B,) int64: keys of each sequence, this step's included
     sliding_window: int | None
-    # (B, 1, Q, K) bool: causal within the sequence, False on padding. None: a decode group for the
-    # CPU decode kernel, which reads the cache in place and needs no mask.
+    # (B, 1, Q, K) bool: causal within the sequence, False on padding. None: a group for the CPU
+    # kernels, which read the cache in place and need no mask (token_idx is then (B, 1): each
+    # sequence's first query).
     mask: torch.Tensor | None
+    q_lens: torch.Tensor | None = None   # (B,) int64 queries per sequence, for the prefill kernel
 
 
 @dataclass
@@ -63,16 +67,16 @@ def get_attention_metadata() -> AttentionMetadata:
 def build_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block_tables: list[list[int]],
                 block_size: int, sliding_window: int | None, device, with_mask: bool = True) -> AttentionGroup:
     """Gather indices and mask for sequences with `q_lens` queries starting at flat index `starts`,
-    whose cached context after this step is `ctx_lens` tokens long. The CPU decode kernel needs
-    no mask (with_mask=False, one query each): that saves most of this function's time."""
+    whose cached context after this step is `ctx_lens` tokens long. The CPU kernels need no mask
+    and no padding (with_mask=False): that saves most of this function's time."""
     B, Q, K = len(q_lens), max(q_lens), max(ctx_lens)
     nb = (K + block_size - 1) // block_size
     tables = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables], dtype=torch.long)
     ctx_t = torch.tensor(ctx_lens)
     if not with_mask:
-        assert Q == 1
         return AttentionGroup(torch.tensor(starts)[:, None].to(device), torch.ones(B, 1, dtype=torch.bool, device=device),
-                              tables.to(device), K, block_size, ctx_t.to(device), sliding_window, None)
+                              tables.to(device), K, block_size, ctx_t.to(device), sliding_window, None,
+                              torch.tensor(q_lens).to(device) if Q > 1 else None)
     q_lens_t = torch.tensor(q_lens)
     q_off = torch.arange(Q)
     query_valid = q_off[None, :] < q_lens_t[:, None]
@@ -101,24 +105,28 @@ class PagedAttention(nn.Module):
         # The KV write is an index write into the flat slot view of the paged cache.
         self.k_cache.index_copy_(0, meta.slot_mapping, k)
         self.v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        # The CPU kernels compute and write fp32: a bf16 model's output is converted once, at the end.
+        kernels = any(g.mask is None for g in meta.groups)
+        out = torch.empty_like(q, dtype=torch.float32 if kernels else q.dtype)
+        qf = q.float().contiguous() if kernels else None
         for g in meta.groups:
-            if g.mask is None:   # the runner chose the CPU decode kernel for this group
-                out[g.token_idx[:, 0]] = self._decode_cpu(q[g.token_idx[:, 0]], g)
-                continue
-            qg = q[g.token_idx].transpose(1, 2)                 # (B, H, Q, D)
-            kg = self._gather(self.k_cache, g)                  # (B, Hkv, K, D)
-            vg = self._gather(self.v_cache, g)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
-                                                enable_gqa=self.num_heads != self.num_kv_heads)
-            og = og.transpose(1, 2)                               # (B, Q, H, D)
-            out[g.token_idx[g.query_valid]] = og[g.query_valid]
-        return out.reshape(q.shape[0], -1)
-
-    def _decode_cpu(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
-        out = cpu_ops().paged_decode_attention(q.float().contiguous(), self.k_cache, self.v_cache, g.block_tables,
-                                               g.ctx_lens, g.block_size, self.scale, g.sliding_window or 0)
-        return out.to(q.dtype)
+            window = g.sliding_window or 0
+            if g.mask is None and g.q_lens is None:   # decodes: one query each
+                rows = g.token_idx[:, 0]
+                out[rows] = cpu_ops().paged_decode_attention(qf[rows], self.k_cache, self.v_cache, g.block_tables,
+                                                             g.ctx_lens, g.block_size, self.scale, window)
+            elif g.mask is None:                      # prefill chunks, written into out in place
+                cpu_ops().paged_prefill_attention(qf, self.k_cache, self.v_cache, g.block_tables, g.token_idx[:, 0],
+                                                  g.q_lens, g.ctx_lens, out, g.block_size, self.scale, window)
+            else:
+                qg = q[g.token_idx].transpose(1, 2)                 # (B, H, Q, D)
+                kg = self._gather(self.k_cache, g)                  # (B, Hkv, K, D)
+                vg = self._gather(self.v_cache, g)
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
+                                                    enable_gqa=self.num_heads != self.num_kv_heads)
+                og = og.transpose(1, 2)                               # (B, Q, H, D)
+                out[g.token_idx[g.query_valid]] = og[g.query_valid].to(out.dtype)
+        return out.to(q.dtype).reshape(q.shape[0], -1)
 
     @staticmethod
     def _gather(cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

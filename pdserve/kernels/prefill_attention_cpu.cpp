@@ -1,0 +1,207 @@
+// Prefill attention straight from the paged KV cache: each sequence's chunk of queries attends
+// causally over its cached keys (the chunk's own included), read through its block table.
+//
+// Why: torch's scaled_dot_product_attention does 25-31 GFLOP/s on this CPU, masked or causal,
+// and needs the prefix gathered into a padded copy plus a (Q x K) mask; it was a third of a
+// 2048-token prefill (docs/BENCHMARKS.md). This is a flash-attention loop on the CPU: a tile of
+// query rows walks the keys 16 at a time with an online softmax, skipping every key tile that is
+// entirely in the future (half the work of a square mask) or outside the sliding window.
+//
+// Work item: (sequence, kv head, tile of query positions). The G query heads sharing a KV head are
+// rows of the same tile, so each key tile is transposed once for G x QT rows. Per key tile:
+//   S = Q K^T: keys transposed to (D, 16), so a row's 16 scores are one zmm built by D FMAs with
+//              the query element broadcast (no horizontal sums);
+//   softmax:   running max m and sum l per row, P = exp(S - m), O rescaled when m grows;
+//   O += P V:  R rows x D accumulators in registers, one value row loaded per key.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <omp.h>
+#include "vec512.h"
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using pdserve::exp512;
+using pdserve::load16;
+
+constexpr int KT = 16;                          // keys per tile: one zmm of scores
+constexpr int64_t kTargetRows = 256;            // query rows (positions x heads) per work item: 64 and 128 measured 5-7% slower
+constexpr double kMinParallelFlops = 4e6;       // less than this: one thread (see linear_cpu.cpp)
+
+struct Work { int64_t b, kvh, q0, q1; };        // sequence, kv head, query offsets [q0, q1)
+
+// C = D / 16 vectors per row; R rows per register tile (R x C accumulators fit in 32 zmm)
+template <typename T, int C, int R>
+void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* q_starts,
+                  const int64_t* q_lens, const int64_t* ctx, float* out, int64_t B, int64_t H, int64_t Hkv,
+                  int64_t nb, int64_t bs, float scale, int64_t window) {
+  constexpr int D = 16 * C;
+  const int64_t G = H / Hkv, row = Hkv * D;   // row: elements per cache slot
+  const int64_t qt = std::max<int64_t>(1, kTargetRows / G);   // query positions per work item
+  std::vector<Work> work;
+  double flops = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t q0 = 0; q0 < q_lens[b]; q0 += qt) {
+      const int64_t q1 = std::min(q_lens[b], q0 + qt);
+      for (int64_t h = 0; h < Hkv; ++h) work.push_back({b, h, q0, q1});
+      flops += 4.0 * D * H * (q1 - q0) * (ctx[b] - q_lens[b] + q1);
+    }
+  }
+  // Later query tiles see more keys: hand out items dynamically, the biggest first.
+  std::reverse(work.begin(), work.end());
+  const int threads = flops < kMinParallelFlops ? 1 : at::get_num_threads();
+  const int64_t max_rows = (qt * G + R - 1) / R * R;
+
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> Q(max_rows * D), O(max_rows * D), m(max_rows), l(max_rows), P(max_rows * KT);
+    std::vector<int64_t> pos(max_rows);
+    alignas(64) float Kt[D * KT];
+    const T* vrow[KT];
+#pragma omp for schedule(dynamic, 1)
+    for (size_t w = 0; w < work.size(); ++w) {
+      const Work it = work[w];
+      const int64_t n = ctx[it.b], first_pos = n - q_lens[it.b];   // absolute position of query 0
+      const int64_t* table = tables + it.b * nb;
+      const int64_t rows = (it.q1 - it.q0) * G, padded = (rows + R - 1) / R * R;
+      // rows: query position major, head minor; queries pre-scaled; padding rows are zeros
+      for (int64_t r = 0; r < padded; ++r) {
+        const int64_t qi = it.q0 + r / G, h = it.kvh * G + r % G;
+        pos[r] = first_pos + std::min(qi, it.q1 - 1);
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        for (int c = 0; c < C; ++c) {
+          const __m512 v = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(q + ((q_starts[it.b] + qi) * H + h) * D + 16 * c),
+                                                    _mm512_set1_ps(scale))
+                                    : _mm512_setzero_ps();
+          _mm512_storeu_ps(Q.data() + r * D + 16 * c, v);
+          _mm512_storeu_ps(O.data() + r * D + 16 * c, _mm512_setzero_ps());
+        }
+      }
+      const int64_t last = first_pos + it.q1 - 1;                  // the tile's last query position
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + it.q0 - window + 1) : 0;
+      for (int64_t k0 = lo; k0 <= last; k0 += KT) {
+        const int nk = static_cast<int>(std::min<int64_t>(KT, last + 1 - k0));
+        // keys k0..k0+nk transposed into Kt (D x 16, zero past nk); value rows by pointer
+        for (int j = 0; j < KT; ++j) {
+          if (j < nk) {
+            const int64_t p = k0 + j;
+            const int64_t slot = table[p / bs] * bs + p % bs;
+            const T* k = kc + slot * row + it.kvh * D;
+            vrow[j] = vc + slot * row + it.kvh * D;
+            for (int d = 0; d < D; ++d) Kt[d * KT + j] = static_cast<float>(k[d]);
+          } else {
+            for (int d = 0; d < D; ++d) Kt[d * KT + j] = 0.f;
+          }
+        }
+        for (int64_t r0 = 0; r0 < padded; r0 += R) {
+          // S for R rows
+          __m512 s[R];
+          for (int i = 0; i < R; ++i) s[i] = _mm512_setzero_ps();
+          const float* qr = Q.data() + r0 * D;
+          for (int d = 0; d < D; ++d) {
+            const __m512 kv = _mm512_load_ps(Kt + d * KT);
+            for (int i = 0; i < R; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i * D + d]), kv, s[i]);
+          }
+          // online softmax per row; keys j are valid where lo_r <= k0 + j <= pos_r and j < nk
+          float alpha[R];
+          bool any = false;
+          for (int i = 0; i < R; ++i) {
+            const int64_t r = r0 + i, hi = std::min<int64_t>(nk, pos[r] - k0 + 1);
+            const int64_t from = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1 - k0) : 0;
+            alpha[i] = 1.f;
+            if (r >= rows || hi <= from) {   // padding, or no visible key in this tile
+              _mm512_storeu_ps(P.data() + i * KT, _mm512_setzero_ps());
+              continue;
+            }
+            const __mmask16 mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << from) - 1));
+            const __m512 si = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, s[i]);
+            const float mnew = std::max(m[r], _mm512_reduce_max_ps(si));
+            const __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(si, _mm512_set1_ps(mnew))));
+            alpha[i] = std::exp(m[r] - mnew);   // 0 on the first visible tile (m = -inf)
+            l[r] = l[r] * alpha[i] + _mm512_reduce_add_ps(p);
+            m[r] = mnew;
+            _mm512_storeu_ps(P.data() + i * KT, p);
+            any = true;
+          }
+          if (!any) continue;
+          // O = alpha * O + P V for R rows, accumulated in registers
+          __m512 acc[R][C];
+          float* orow = O.data() + r0 * D;
+          for (int i = 0; i < R; ++i)
+            for (int c = 0; c < C; ++c)
+              acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(orow + i * D + 16 * c), _mm512_set1_ps(alpha[i]));
+          for (int j = 0; j < nk; ++j) {
+            __m512 vv[C];
+            for (int c = 0; c < C; ++c) vv[c] = load16<T>(vrow[j] + 16 * c);
+            for (int i = 0; i < R; ++i) {
+              const __m512 pw = _mm512_set1_ps(P[i * KT + j]);
+              for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pw, vv[c], acc[i][c]);
+            }
+          }
+          for (int i = 0; i < R; ++i)
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(orow + i * D + 16 * c, acc[i][c]);
+        }
+      }
+      // out = O / l (every real row saw at least its own key)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t qi = it.q0 + r / G, h = it.kvh * G + r % G;
+        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        float* o = out + ((q_starts[it.b] + qi) * H + h) * D;
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + 16 * c), inv));
+      }
+    }
+  }
+}
+
+template <typename T>
+void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& tables,
+             const torch::Tensor& q_starts, const torch::Tensor& q_lens, const torch::Tensor& ctx, torch::Tensor& out,
+             int64_t bs, float scale, int64_t window) {
+  const int64_t B = q_lens.size(0), H = q.size(1), D = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
+  auto args = std::make_tuple(q.data_ptr<float>(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables.data_ptr<int64_t>(),
+                              q_starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
+                              out.data_ptr<float>(), B, H, Hkv, nb, bs, scale, window);
+  switch (D / 16) {
+    case 1: std::apply(prefill_impl<T, 1, 8>, args); break;
+    case 2: std::apply(prefill_impl<T, 2, 8>, args); break;
+    case 4: std::apply(prefill_impl<T, 4, 4>, args); break;
+    case 6: std::apply(prefill_impl<T, 6, 2>, args); break;
+    case 8: std::apply(prefill_impl<T, 8, 2>, args); break;
+    default: TORCH_CHECK(false, "prefill attention kernel: head_dim must be 16, 32, 64, 96 or 128");
+  }
+}
+
+}  // namespace
+
+// q, out: (T, H, D) fp32, the step's flat batch; sequence b's queries are rows
+// q_starts[b] .. q_starts[b] + q_lens[b] and are its last q_lens[b] positions of ctx_lens[b] keys
+// (already written to the cache). k_cache, v_cache: (slots, Hkv, D) fp32|bf16; block_tables
+// (B, nb), q_starts, q_lens, ctx_lens: int64. Writes those rows of out; other rows are untouched.
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                             torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens, torch::Tensor out,
+                             int64_t block_size, double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be (T, H, D) fp32");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(), "bad out");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "bad cache");
+  for (const auto& t : {block_tables, q_starts, q_lens, ctx_lens})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "tables, starts and lengths must be int64");
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 96 || D == 128) && H % Hkv == 0 && k_cache.size(2) == D,
+              "unsupported head shape");
+  if (q_lens.size(0) == 0) return;
+  if (k_cache.scalar_type() == at::kFloat) {
+    prefill<float>(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, out, block_size,
+                   static_cast<float>(scale), sliding_window);
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    prefill<at::BFloat16>(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, out, block_size,
+                          static_cast<float>(scale), sliding_window);
+  } else {
+    TORCH_CHECK(false, "cache dtype must be float32 or bfloat16");
+  }
+}
