@@ -8,6 +8,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.attention import PagedAttention
+from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.rotary import RotaryEmbedding
 
 
@@ -30,9 +31,7 @@ class LlamaAttention(nn.Module):
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_bias = cfg.architecture == "Qwen2ForCausalLM" or cfg.raw.get("attention_bias", False)
         o_bias = cfg.architecture != "Qwen2ForCausalLM" and cfg.raw.get("attention_bias", False)
-        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=qkv_bias)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [H * D, Hkv * D, Hkv * D], bias=qkv_bias)
         self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=o_bias)
         self.rotary = rotary
         self.attn = PagedAttention(H, Hkv, D, scale=D ** -0.5)
@@ -40,10 +39,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.H, self.D)
-        k = self.k_proj(x).view(T, self.Hkv, self.D)
-        v = self.v_proj(x).view(T, self.Hkv, self.D)
-        q, k = self.rotary(positions, q, k)
+        q, k, v = self.qkv_proj(x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
+        q, k = self.rotary(positions, q.view(T, self.H, self.D), k.view(T, self.Hkv, self.D))
+        v = v.view(T, self.Hkv, self.D)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -51,12 +49,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         bias = cfg.raw.get("mlp_bias", False)
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,6 +86,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # checkpoint module -> (our merged module, shard): HF checkpoints keep q/k/v and gate/up apart
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.model = LlamaModel(cfg)

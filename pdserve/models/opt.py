@@ -6,6 +6,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.attention import PagedAttention
+from pdserve.layers.merged_linear import MergedLinear
 
 # OPT's learned position table has two extra leading rows (a fairseq padding convention).
 POSITION_OFFSET = 2
@@ -16,18 +17,14 @@ class OPTAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         H, D, bias = cfg.num_heads, cfg.head_dim, cfg.raw.get("enable_bias", True)
-        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [H * D] * 3, bias=bias)
         self.out_proj = nn.Linear(H * D, cfg.hidden_size, bias=bias)
         self.attn = PagedAttention(H, H, D, scale=D ** -0.5)
         self.H, self.D = H, D
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.H, self.D)
-        k = self.k_proj(x).view(T, self.H, self.D)
-        v = self.v_proj(x).view(T, self.H, self.D)
+        q, k, v = (t.view(T, self.H, self.D) for t in self.qkv_proj(x).chunk(3, dim=-1))
         return self.out_proj(self.attn(q, k, v))
 
 
@@ -90,6 +87,8 @@ class OPTModel(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}  # see llama.py
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.model = OPTModel(cfg)
