@@ -1,7 +1,8 @@
 """The Llama family: Llama, Qwen2 (q/k/v bias), Mistral (sliding window).
 
 RMSNorm, RoPE, SwiGLU, grouped-query attention. Module names mirror the HF checkpoints so that
-loading is a name match."""
+loading is a name match, except q/k/v and gate/up: each is one MergedLinear, filled shard by shard
+(`stacked_params`)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
