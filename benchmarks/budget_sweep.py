@@ -6,14 +6,23 @@ into chunks of at most `--max-num-batched-tokens` (the step budget) minus the de
 budget keeps each step short (steady ITL) but spreads a long prefill over many steps (long TTFT);
 a large one finishes prefills sooner but stalls every decode in the steps that carry a big chunk.
 
-One command: for each budget, start the engine with `--max-num-batched-tokens BUDGET`, run
-compare.py's long-short workload for that model with `pdserve bench` (same prompts for every
-budget: one seed), stop it; then write the per-budget numbers to RESULTS/<workload>.json, a
-plot to RESULTS/<workload>.png and a table to stdout.
+The decode-aware prefill cap (`--max-prefill-tokens-with-decodes`, the engine's default is on)
+bounds the prefill tokens of a step that also decodes, whatever the budget: `--caps` sweeps it
+(0 = off), crossed with the budgets.
+
+One command: for each (budget, cap) point, start the engine with `--max-num-batched-tokens
+BUDGET --max-prefill-tokens-with-decodes CAP`, run compare.py's long-short workload (or, with
+`--bench c32`, its c32 workload) for that model with `pdserve bench` (same prompts for every
+point: one seed), stop it; `--rounds N` repeats all points N times, interleaved, so that a busy
+neighbour weighs on every point alike. Then write the numbers to RESULTS/<workload>[-NAME].json
+(each bench result under RESULTS/<workload>[-NAME]/), a plot to RESULTS/<workload>[-NAME].png
+and a table to stdout. The default sweeps budgets only, with the cap off (`--caps 0`).
 
     python benchmarks/budget_sweep.py --quick                  # tiny model, 3 budgets, < 1 min
     python benchmarks/budget_sweep.py                          # the bundled tiny model, 6 budgets (~2 min)
-    python benchmarks/budget_sweep.py --model /work/q05        # the 0.5B model (~6 min)
+    python benchmarks/budget_sweep.py --model /work/q05        # the 0.5B model (~4 min)
+    python benchmarks/budget_sweep.py --model /work/q05 --budgets 512 --caps 0,16,32,64 --name caps
+    python benchmarks/budget_sweep.py --model /work/q05 --bench c32 --budgets 512 --caps 0,32 --name c32
     python benchmarks/budget_sweep.py --dry-run                # the commands only
 """
 from __future__ import annotations
@@ -41,6 +50,8 @@ from pdserve.benchmarks.report import latency_samples  # noqa: E402
 REPO = compare.REPO
 DEFAULT_BUDGETS = (32, 64, 128, 256, 512, 1024)  # 512 is the engine's default
 QUICK_BUDGETS = (32, 128, 512)
+DEFAULT_CAPS = (0,)  # --max-prefill-tokens-with-decodes; 0 = off
+BENCHES = ("long-short", "c32")
 TARGET = 2.0  # the short requests' p99 ITL over their median
 SEED = 7000
 
@@ -72,9 +83,43 @@ def summarize(res: dict) -> dict:
     }
 
 
+def summarize_c32(res: dict) -> dict:
+    """The c32 numbers of one `pdserve bench --output` result (its own aggregates). Times in ms."""
+    return {k: res.get(k) for k in ("completed", "failed", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
+                                    "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms")}
+
+
+def point_label(budget: int, cap: int) -> str:
+    return f"b{budget}-cap{cap}" if cap else f"b{budget}-nocap"
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per (budget, cap) point, in first-run order: with several rounds, the median of each
+    number over the rounds that produced one (`rounds` counts them); the runs themselves stay in
+    `runs` of the results file."""
+    points: dict[tuple, list[dict]] = {}
+    for r in rows:
+        points.setdefault((r["budget"], r.get("cap", 0)), []).append(r)
+    out = []
+    for (budget, cap), runs in points.items():
+        done = [r["metrics"] for r in runs if r.get("metrics")]
+        row = dict(budget=budget, cap=cap, rounds=len(done), status=runs[-1]["status"] if not done else "ok")
+        if done:
+            m = {}
+            for k, v in done[0].items():
+                vals = [d[k] for d in done if isinstance(d.get(k), (int, float)) and not isinstance(d.get(k), bool)]
+                m[k] = float(np.median(vals)) if vals and not isinstance(v, bool) else v
+            if "short_itl_p99_over_median" in m:
+                ratio = m["short_itl_p99_over_median"]
+                m["meets_target"] = ratio is not None and ratio <= TARGET
+            row["metrics"] = m
+        out.append(row)
+    return out
+
+
 def recommend(rows: list[dict]) -> dict | None:
-    """The budget to use: the highest output throughput among those meeting the target, else
-    the one nearest to it."""
+    """The point (budget, cap) to use: the highest output throughput among those meeting the
+    target, else the one nearest to it."""
     done = [r for r in rows if r.get("metrics") and r["metrics"]["short_itl_p99_over_median"] is not None]
     ok = [r for r in done if r["metrics"]["meets_target"]]
     if ok:
@@ -88,16 +133,26 @@ def fmt(v, digits: int = 0) -> str:
     return "–" if v is None else f"{v:,.{digits}f}"
 
 
-def table(rows: list[dict]) -> str:
-    head = ("budget", "short ITL p50", "short ITL p99", "p99/p50", "short TTFT mean", "short TTFT p99",
-            "long TTFT mean", "out tok/s", f"<= {TARGET:g}x")
+def table(rows: list[dict], bench: str = "long-short") -> str:
+    """One line per row; with rounds, a row's numbers are medians over its `rounds` runs."""
+    if bench == "c32":
+        head = ("budget", "cap", "runs", "out tok/s", "TTFT mean", "TTFT p99", "ITL p50", "ITL p99")
+        keys = (("output_throughput", 1), ("mean_ttft_ms", 0), ("p99_ttft_ms", 0), ("median_itl_ms", 1),
+                ("p99_itl_ms", 1))
+    else:
+        head = ("budget", "cap", "runs", "short ITL p50", "short ITL p99", "p99/p50", "short TTFT mean",
+                "short TTFT p99", "long TTFT mean", "out tok/s", f"<= {TARGET:g}x")
+        keys = (("short_median_itl_ms", 1), ("short_p99_itl_ms", 1), ("short_itl_p99_over_median", 2),
+                ("short_mean_ttft_ms", 0), ("short_p99_ttft_ms", 0), ("long_mean_ttft_ms", 0),
+                ("output_throughput", 1), ("meets_target", None))
     lines = ["  ".join(f"{h:>15}" for h in head)]
     for r in rows:
         m = r.get("metrics")
-        cells = [r["budget"]] + ([r["status"]] + [""] * 7 if not m else [
-            fmt(m["short_median_itl_ms"], 1), fmt(m["short_p99_itl_ms"], 1), fmt(m["short_itl_p99_over_median"], 2),
-            fmt(m["short_mean_ttft_ms"]), fmt(m["short_p99_ttft_ms"]), fmt(m["long_mean_ttft_ms"]),
-            fmt(m["output_throughput"], 1), "yes" if m["meets_target"] else "no"])
+        cells = [r["budget"], r.get("cap", 0) or "off", r.get("rounds", 1)]
+        if not m:
+            cells += [r["status"]] + [""] * (len(keys) - 1)
+        else:
+            cells += [("yes" if m.get(k) else "no") if d is None else fmt(m.get(k), d) for k, d in keys]
         lines.append("  ".join(f"{c:>15}" for c in cells))
     return "\n".join(lines)
 
@@ -112,7 +167,9 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
     matplotlib.use("Agg")   # files only, no display
     import matplotlib.pyplot as plt
 
-    x = [r["budget"] for r in rows]
+    by_cap = len({r.get("cap", 0) for r in rows}) > 1
+    x = list(range(len(rows))) if by_cap else [r["budget"] for r in rows]
+    labels = [f"{r['budget']}/{r.get('cap', 0) or 'off'}" for r in rows] if by_cap else [str(b) for b in x]
 
     def ys(key):
         return [np.nan if r["metrics"][key] is None else r["metrics"][key] for r in rows]
@@ -137,9 +194,11 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
     r2.set_ylim(bottom=0)
     a2.set_title("time to first token, throughput")
     for ax, twin in ((a1, r1), (a2, r2)):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(x, [str(b) for b in x])
-        ax.set_xlabel("--max-num-batched-tokens (step token budget)")
+        if not by_cap:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("--max-num-batched-tokens / --max-prefill-tokens-with-decodes" if by_cap else
+                      "--max-num-batched-tokens (step token budget)")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         h1, l1 = ax.get_legend_handles_labels()
@@ -155,26 +214,30 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
 
 # ---------------------------------------------------------------- the run
 
-def server_for(model_dir: str, budget: int, log_dir: str) -> servers.Server:
+def server_for(model_dir: str, budget: int, log_dir: str, cap: int = 0, tag: str = "") -> servers.Server:
     port = servers.free_port()
     cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--backend", "engine", "--port", str(port),
            "--max-model-len", str(peers.context_len(model_dir)), "--max-num-batched-tokens", str(budget),
-           "--log-level", "warning"]
-    return servers.Server(f"engine-b{budget}", cmd, port, os.path.join(log_dir, f"engine-b{budget}.log"),
+           "--max-prefill-tokens-with-decodes", str(cap), "--log-level", "warning"]
+    name = f"engine-{point_label(budget, cap)}{tag}"
+    return servers.Server(name, cmd, port, os.path.join(log_dir, f"{name}.log"),
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
 
-def run_budget(budget: int, model_dir: str, wl: Workload, key: str, args, log_dir: str) -> dict:
-    """Start the engine with this budget, warm it up, run the workload, stop it."""
+def run_budget(budget: int, model_dir: str, wl: Workload, key: str, args, log_dir: str, cap: int = 0,
+               rnd: int = 0) -> dict:
+    """Start the engine with this budget and cap, warm it up, run the workload, stop it."""
     name = os.path.basename(os.path.normpath(model_dir))
-    server = server_for(model_dir, budget, log_dir)
-    out = os.path.join(args.out_dir, key, f"budget-{budget}.json")
-    row = dict(budget=budget, status="not run", server_cmd=server.cmd,
+    tag = f"-r{rnd + 1}" if args.rounds > 1 else ""
+    label = point_label(budget, cap) + tag
+    server = server_for(model_dir, budget, log_dir, cap, tag)
+    out = os.path.join(args.out_dir, args.result_name, f"{label}.json")
+    row = dict(budget=budget, cap=cap, round=rnd + 1, status="not run", server_cmd=server.cmd,
                bench_cmd=compare.bench_command(server, name, wl, SEED, out))
     if args.dry_run:
         return row
     row["busy_cores_before"] = compare.busy_cores()
-    say(f"budget {budget}: starting the engine; other work keeps {row['busy_cores_before']} cores busy")
+    say(f"{label}: starting the engine; other work keeps {row['busy_cores_before']} cores busy")
     try:
         server.start(timeout=args.start_timeout)
     except servers.PeerError as e:
@@ -182,7 +245,7 @@ def run_budget(budget: int, model_dir: str, wl: Workload, key: str, args, log_di
     try:
         row["server_ready_s"] = round(server.ready_s, 1)
         warm = compare.bench_command(server, name, WARMUP, SEED + 50, None)
-        with open(os.path.join(log_dir, f"bench-warmup-b{budget}.log"), "w", encoding="utf-8") as f:
+        with open(os.path.join(log_dir, f"bench-warmup-{label}.log"), "w", encoding="utf-8") as f:
             try:  # a failed warm-up shows again, measured, in the run itself
                 subprocess.run(warm, stdout=f, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, timeout=compare.bench_timeout(WARMUP, key))
@@ -192,7 +255,7 @@ def run_budget(budget: int, model_dir: str, wl: Workload, key: str, args, log_di
         if os.path.exists(out):
             os.remove(out)
         t0 = time.monotonic()
-        blog = os.path.join(log_dir, f"bench-b{budget}.log")
+        blog = os.path.join(log_dir, f"bench-{label}.log")
         try:
             with open(blog, "w", encoding="utf-8") as f:
                 rc = subprocess.run(row["bench_cmd"], stdout=f, stderr=subprocess.STDOUT,
@@ -206,7 +269,7 @@ def run_budget(budget: int, model_dir: str, wl: Workload, key: str, args, log_di
         with open(out, encoding="utf-8") as f:
             res = json.load(f)
         row.update(status="ok" if res.get("failed", 0) == 0 else "some failed", json=os.path.relpath(out, REPO),
-                   metrics=summarize(res))
+                   metrics=summarize_c32(res) if args.bench == "c32" else summarize(res))
         return row
     finally:
         server.stop()
@@ -224,6 +287,18 @@ def parse_args(argv):
     p.add_argument("--budgets", default=None,
                    help="comma-separated --max-num-batched-tokens values (default: "
                         f"{','.join(map(str, DEFAULT_BUDGETS))}; with --quick {','.join(map(str, QUICK_BUDGETS))})")
+    p.add_argument("--caps", default=None,
+                   help="comma-separated --max-prefill-tokens-with-decodes values, 0 = off, each crossed with every "
+                        "budget (default: 0, i.e. the budget alone)")
+    p.add_argument("--bench", choices=BENCHES, default="long-short",
+                   help="which of compare.py's workloads each point runs: long-short (head-of-line blocking, "
+                        "the default) or c32 (throughput and TTFT under load)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every point this many times, interleaved (round 1 of all points, then round 2...); "
+                        "the table shows medians over the rounds")
+    p.add_argument("--name", default=None,
+                   help="results go to RESULTS/<workload>-NAME.json and RESULTS/<workload>-NAME/ (default: "
+                        "RESULTS/<workload>.json; c32 runs: <workload>-c32)")
     p.add_argument("--quick", action="store_true", help="compare.py's quick long-short workload, 3 budgets (< 1 min "
                    "on the tiny model)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
@@ -242,11 +317,23 @@ def parse_args(argv):
         p.error(f"--budgets takes comma-separated integers, got {args.budgets!r}")
     if not args.budgets or args.budgets[0] < 1:
         p.error("--budgets must be positive")
+    try:
+        args.caps = sorted({int(c) for c in args.caps.split(",") if c.strip()}) if args.caps else list(DEFAULT_CAPS)
+    except ValueError:
+        p.error(f"--caps takes comma-separated integers, got {args.caps!r}")
+    if not args.caps or args.caps[0] < 0:
+        p.error("--caps must be >= 0 (0 = no cap)")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    if args.name is not None and (not args.name or "/" in args.name or args.name.startswith(".")):
+        p.error(f"--name must be a plain file-name part, got {args.name!r}")
     args.model = os.path.abspath(args.model)
     if not os.path.exists(os.path.join(args.model, "config.json")):
         p.error(f"--model {args.model} has no config.json")
     args.workload = args.workload or ("quick" if args.quick else "tiny" if args.model == os.path.abspath(
         DEFAULT_MODEL_DIR) else "0.5b")
+    name = args.name or ("c32" if args.bench == "c32" else None)
+    args.result_name = f"{args.workload}-{name}" if name else args.workload
     args.out_dir = os.path.abspath(args.out_dir or os.path.join(REPO, "benchmarks", "results",
                                                                  *(["quick"] if args.quick else []), "budget_sweep"))
     return args
@@ -257,40 +344,49 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the running server is stopped
     key = args.workload
-    wl = next(w for w in WORKLOADS[key] if w.dataset == "long-short")
+    wl = next(w for w in WORKLOADS[key] if w.name == args.bench)
     started, t0 = datetime.now(), time.monotonic()
     log_dir = os.path.join(args.cache_dir, "logs", started.strftime("%Y%m%d-%H%M%S") + "-budget-sweep")
     if os.getloadavg()[0] > 1.0 and not args.dry_run:
         say(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: ITL percentiles "
             "are only meaningful on a quiet machine")
-    say(f"{args.model}: {wl.describe()}; budgets {', '.join(map(str, args.budgets))}")
+    points = [(b, c) for b in args.budgets for c in args.caps]
+    say(f"{args.model}: {wl.describe()}; budget/cap points {', '.join(f'{b}/{c}' for b, c in points)}"
+        + (f", {args.rounds} rounds" if args.rounds > 1 else ""))
     rows = []
-    for budget in args.budgets:
-        rows.append(run_budget(budget, args.model, wl, key, args, log_dir))
-        if not args.dry_run:
-            say(f"budget {budget}: {rows[-1]['status']}" + (f" in {rows[-1]['bench_s']:.0f} s"
-                                                          if "bench_s" in rows[-1] else ""))
+    for rnd in range(1 if args.dry_run else args.rounds):
+        for budget, cap in points:
+            rows.append(run_budget(budget, args.model, wl, key, args, log_dir, cap, rnd))
+            if not args.dry_run:
+                say(f"{point_label(budget, cap)} round {rnd + 1}: {rows[-1]['status']}"
+                    + (f" in {rows[-1]['bench_s']:.0f} s" if "bench_s" in rows[-1] else ""))
     if args.dry_run:
         for r in rows:
             print(" ".join(r["server_cmd"]))
             print("   ", " ".join(r["bench_cmd"]))
         return 0
-    best = recommend(rows)
+    points_rows = aggregate(rows)
+    best = recommend(points_rows) if args.bench == "long-short" else None
     summary = {"started": started.strftime("%Y-%m-%d %H:%M"), "duration_s": round(time.monotonic() - t0, 1),
                "command": "python benchmarks/budget_sweep.py " + " ".join(argv), "model_dir": args.model,
-               "workload": asdict(wl), "target_p99_over_median": TARGET, "seed": SEED,
+               "workload": asdict(wl), "bench": args.bench, "rounds": args.rounds,
+               "target_p99_over_median": TARGET, "seed": SEED,
                "machine": compare.machine_info(), "loadavg_end": compare.loadavg(), "log_dir": log_dir,
-               "recommended_budget": best["budget"] if best else None, "runs": rows}
-    path = os.path.join(args.out_dir, f"{key}.json")
+               "recommended_budget": best["budget"] if best else None,
+               "recommended_cap": best["cap"] if best else None, "points": points_rows, "runs": rows}
+    path = os.path.join(args.out_dir, f"{args.result_name}.json")
     os.makedirs(args.out_dir, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
-    png = plot(rows, os.path.join(args.out_dir, f"{key}.png"),
-               f"{os.path.basename(args.model)}: {wl.describe()} (engine, one server per budget)")
-    print(table(rows))
+    png = None if args.bench == "c32" else plot(
+        points_rows, os.path.join(args.out_dir, f"{args.result_name}.png"),
+        f"{os.path.basename(args.model)}: {wl.describe()} (engine, one server per point"
+        + (f", median of {args.rounds} rounds)" if args.rounds > 1 else ")"))
+    print(table(points_rows, args.bench))
     if best:
         m = best["metrics"]
-        print(f"recommended budget: {best['budget']} (short ITL p99/median {m['short_itl_p99_over_median']:.2f}, "
+        print(f"recommended: budget {best['budget']}, cap {best['cap'] or 'off'} "
+              f"(short ITL p99/median {m['short_itl_p99_over_median']:.2f}, "
               f"{'meets' if m['meets_target'] else 'misses'} the {TARGET:g}x target; "
               f"{m['output_throughput']:.1f} output tok/s)")
     say(f"wrote {path}" + (f" and {png}" if png else "") + f" in {(time.monotonic() - t0) / 60:.1f} min")

@@ -13,6 +13,9 @@ import torch
 from pdserve.checkpoint_files import checkpoint_file
 from pdserve.errors import CheckpointError
 
+# The decode-aware prefill cap (scheduler.py), chosen by benchmarks/budget_sweep.py (docs/BENCHMARKS.md).
+DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES = 32
+
 SUPPORTED_ARCHITECTURES = ("OPTForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -118,6 +121,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    # In a step that also decodes, at most this many prefill tokens in all (0: no cap; a step
+    # without decodes still takes max_num_batched_tokens). Keeps running streams' ITL steady.
+    max_prefill_tokens_with_decodes: int = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES
     max_model_len: int | None = None
     seed: int = 0
     quantization: str | None = None     # "int8": weight-only int8 linears (CPU packed kernel)
@@ -136,6 +142,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.max_prefill_tokens_with_decodes, int) or self.max_prefill_tokens_with_decodes < 0:
+            raise ValueError(f"max_prefill_tokens_with_decodes must be >= 0 (0 = no cap), "
+                             f"got {self.max_prefill_tokens_with_decodes!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -148,17 +148,20 @@ def time_step(engine, seqs: list[tuple[int, int]], ids: list[int], repeats: int)
     return forward, execute
 
 
-def overhead_max_tokens(batch: int, context: int, budget: int, steps: int = OVERHEAD_STEPS) -> int:
+def overhead_max_tokens(batch: int, context: int, budget: int, steps: int = OVERHEAD_STEPS,
+                        prefill_cap: int = 0) -> int:
     """Tokens each overhead request may generate: enough that none finishes before the timed steps end.
-    The prefills take at most ceil(batch x context / (budget - batch)) + 1 steps, decoding the
-    early requests meanwhile."""
-    return -(-batch * context // (budget - batch)) + 1 + steps + 2
+    The prefills take at most ceil(batch x context / per_step) + 1 steps, decoding the early
+    requests meanwhile; per_step is budget - batch, or less under the decode-aware prefill cap."""
+    per_step = min(prefill_cap, budget - batch) if prefill_cap else budget - batch
+    return -(-batch * context // per_step) + 1 + steps + 2
 
 
 def engine_overhead(engine, batch: int, context: int, ids: list[int], steps: int = OVERHEAD_STEPS) -> dict:
     """Whole engine.step() (schedule, prepare, forward, sample, detokenize, outputs) against the
     runner's forward, for a decode batch of real requests."""
-    max_tokens = overhead_max_tokens(batch, context, engine.config.max_num_batched_tokens, steps)
+    max_tokens = overhead_max_tokens(batch, context, engine.config.max_num_batched_tokens, steps,
+                                     engine.config.max_prefill_tokens_with_decodes)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     rids = [f"roofline-overhead-{i}" for i in range(batch)]
     for rid in rids:
@@ -371,9 +374,10 @@ def plan(args, kwargs: dict, limit: int) -> tuple[list[tuple[str, int, int]], tu
     budget = kwargs["max_num_batched_tokens"]
     ob = max(1, min(args.overhead_batch, kwargs["max_num_seqs"], budget // 2))
     oc = min(contexts or prefill or [16])
-    while oc > 1 and oc + overhead_max_tokens(ob, oc, budget) > limit:
+    cap = kwargs.get("max_prefill_tokens_with_decodes", 0)
+    while oc > 1 and oc + overhead_max_tokens(ob, oc, budget, prefill_cap=cap) > limit:
         oc //= 2
-    om = overhead_max_tokens(ob, oc, budget)
+    om = overhead_max_tokens(ob, oc, budget, prefill_cap=cap)
     if kwargs["num_kv_blocks"] is None and kwargs["kv_cache_memory"] is None:
         bs = kwargs["block_size"]
         kwargs["num_kv_blocks"] = max([ob * -(-(oc + om) // bs)] + [b * -(-c // bs) for _, b, c in points])

@@ -2,7 +2,23 @@
 import argparse
 import os
 
+from pdserve.config import DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES
+
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "default-model")
+
+
+def _int_at_least(low: int, note: str = ""):
+    """An argparse type: an integer >= low, else the usual one-line `argument --flag: ...` error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}{note}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -13,15 +29,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weight and activation dtype; auto = the checkpoint's torch_dtype on GPU, float32 on CPU "
                         "(equal to transformers; bfloat16 is faster on CPUs with AVX512-BF16)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
+    g.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-kv-blocks", type=_int_at_least(1), default=None,
                    help="number of KV-cache blocks (overrides --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=int, default=None,
+    g.add_argument("--kv-cache-memory", type=_int_at_least(1), default=None,
                    help="bytes of memory for the KV cache (default: enough for max-num-seqs full-length "
                         "sequences, capped at 4 GiB)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+    g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=512,
                    help="token budget of one engine step (prefill chunks + decodes)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one engine step")
+    g.add_argument("--max-prefill-tokens-with-decodes", type=_int_at_least(0, " (0 = no cap)"), metavar="N",
+                   default=DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES,
+                   help="in a step that also decodes, at most N prefill tokens in all, so a long prompt does not "
+                        "stall running streams (a step without decodes still takes the whole "
+                        "--max-num-batched-tokens); 0 = no cap (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=_int_at_least(1), default=64, help="most sequences in one engine step")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
@@ -50,6 +71,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
                 max_model_len=args.max_model_len, seed=args.seed,
                 quantization=args.quantization, cpu_kernels=args.cpu_kernels,
                 profile_steps=args.profile_steps)

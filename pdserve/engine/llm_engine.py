@@ -32,7 +32,8 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.runner = ModelRunner(self.model_config, self.config, self.max_model_len, self.tokenizer.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                   self.config.max_prefill_tokens_with_decodes)
         self.processor = OutputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []

@@ -3,6 +3,14 @@
 Each step gets a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
 decodes are served first (one token each), then running prefills continue, then waiting requests
 are admitted; any prefill larger than the remaining budget is cut into chunks over several steps.
+
+Decode-aware prefill cap (max_prefill_tokens_with_decodes, 0 = off): in a step that carries at
+least one decode, all prefill tokens together (running chunks and admissions) are at most that
+many, so a long prompt cannot turn the running streams' next token into a multi-second step; a
+step without decodes (an idle server's first prompts) still uses the whole budget. Unlike vLLM's
+long_prefill_token_threshold (a per-request chunk limit applied in every step), it bounds the
+step's total and only while something decodes. Prefills are served oldest first and the cap is
+>= 1, so the oldest prefill advances in every step: nothing starves; later ones may wait a step.
 When a running sequence needs a block and none is free, the most recently admitted running
 sequence not already scheduled in this step is preempted: its blocks are freed and it goes back to
 the front of the queue, to be re-prefilled (prompt + tokens generated so far) later.
@@ -41,10 +49,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_prefill_tokens_with_decodes: int = 0):
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes   # 0: no cap
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
 
@@ -57,6 +67,7 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prefill_budget = None   # set when the first prefill is reached: decodes are all placed by then
         scheduled: set[int] = set()
         # Decodes first, so a long prompt never stalls them; then unfinished prefill chunks.
         order = [s for s in self.running if not s.is_prefill] + [s for s in self.running if s.is_prefill]
@@ -66,6 +77,12 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.is_prefill:
+                if prefill_budget is None:
+                    prefill_budget = self._prefill_budget(out, budget)
+                if prefill_budget == 0:
+                    break
+                n = min(n, prefill_budget)
             while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
                 self._preempt(victim)
@@ -79,11 +96,16 @@ class Scheduler:
             out.add(seq, n)
             scheduled.add(id(seq))
             budget -= n
+            if seq.is_prefill:
+                prefill_budget -= n
         # Admit waiting requests (preempted ones are at the front) while budget, seats and blocks last.
         # Not in a step that had to preempt: the cache is full, admitting would only thrash.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        if prefill_budget is None:
+            prefill_budget = self._prefill_budget(out, budget)
+        while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs
+               and not out.preempted):
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_budget)
             if not self.block_manager.can_allocate(seq, n):
                 break
             self.waiting.popleft()
@@ -94,7 +116,15 @@ class Scheduler:
             self._mark_scheduled(seq, now)
             out.add(seq, n)
             budget -= n
+            prefill_budget -= n
         return out
+
+    def _prefill_budget(self, out: SchedulerOutput, budget: int) -> int:
+        """Prefill tokens this step may still take: the decode-aware cap if any decode is in it."""
+        cap = self.max_prefill_tokens_with_decodes
+        if cap and any(not p for p in out.is_prefill):
+            return min(cap, budget)
+        return budget
 
     def _mark_scheduled(self, seq: Sequence, now: float):
         if seq.metrics.first_scheduled_time is None:

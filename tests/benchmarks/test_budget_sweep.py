@@ -67,3 +67,47 @@ def test_dry_run_prints_one_server_per_budget():
     budgets = [ln.split("--max-num-batched-tokens ")[1].split()[0] for ln in lines if "pdserve serve" in ln]
     assert budgets == ["16", "64"]
     assert sum("--dataset-name long-short" in ln for ln in lines) == 2
+
+
+def test_aggregate_takes_medians_over_rounds_per_point():
+    def run(budget, cap, ratio, tput):
+        return {"budget": budget, "cap": cap, "status": "ok",
+                "metrics": {"short_itl_p99_over_median": ratio, "meets_target": ratio <= 2, "output_throughput": tput}}
+    rows = [run(512, 0, 20.0, 20.0), run(512, 32, 1.5, 18.0), run(512, 0, 30.0, 22.0), run(512, 32, 2.5, 19.0),
+            run(512, 32, 1.9, 30.0), {"budget": 512, "cap": 64, "status": "start failed"}]
+    points = budget_sweep.aggregate(rows)
+    assert [(p["budget"], p["cap"], p["rounds"]) for p in points] == [(512, 0, 2), (512, 32, 3), (512, 64, 0)]
+    assert points[0]["metrics"]["short_itl_p99_over_median"] == 25.0 and not points[0]["metrics"]["meets_target"]
+    assert points[1]["metrics"]["short_itl_p99_over_median"] == 1.9 and points[1]["metrics"]["meets_target"]
+    assert points[1]["metrics"]["output_throughput"] == 19.0
+    assert points[2]["status"] == "start failed" and "metrics" not in points[2]
+    assert budget_sweep.recommend(points)["cap"] == 32
+    text = budget_sweep.table(points)
+    assert "off" in text.splitlines()[1] and "start failed" in text.splitlines()[3]
+
+
+def test_c32_summary_keeps_the_bench_aggregates():
+    res = {"completed": 64, "failed": 0, "output_throughput": 88.5, "mean_ttft_ms": 9000.0, "median_ttft_ms": 8000.0,
+           "p99_ttft_ms": 19000.0, "median_itl_ms": 250.0, "p99_itl_ms": 2100.0, "median_tpot_ms": 300.0, "x": 1}
+    m = budget_sweep.summarize_c32(res)
+    assert m["output_throughput"] == 88.5 and m["p99_ttft_ms"] == 19000.0 and "x" not in m
+    assert "88.5" in budget_sweep.table(budget_sweep.aggregate([{"budget": 512, "cap": 0, "status": "ok",
+                                                                  "metrics": m}]), "c32")
+
+
+def test_dry_run_crosses_budgets_and_caps_and_names_the_results():
+    out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "budget_sweep.py"), "--dry-run", "--quick",
+                          "--budgets", "512", "--caps", "32,0", "--bench", "c32", "--name", "t"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    serves = [ln for ln in out.splitlines() if "pdserve serve" in ln]
+    assert [ln.split("--max-prefill-tokens-with-decodes ")[1].split()[0] for ln in serves] == ["0", "32"]
+    benches = [ln for ln in out.splitlines() if "pdserve bench" in ln]
+    assert all("--dataset-name random" in ln and "budget_sweep/quick-t/" in ln for ln in benches)
+    assert benches[1].split("--output ")[1].split()[0].endswith("b512-cap32.json")
+
+
+@pytest.mark.parametrize("flag", [["--caps", "-1"], ["--caps", "x"], ["--rounds", "0"], ["--name", "a/b"]])
+def test_bad_sweep_arguments_are_refused(flag):
+    r = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "budget_sweep.py"), "--dry-run", "--quick", *flag],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "error:" in r.stderr

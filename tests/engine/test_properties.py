@@ -173,6 +173,7 @@ def workloads(draw):
     capacity = block_size * num_blocks
     budget = draw(st.integers(1, 64))
     max_seqs = draw(st.integers(1, 8))
+    prefill_cap = draw(st.sampled_from([0, 1, 2, 5, 64]))   # max_prefill_tokens_with_decodes
     requests = []
     for _ in range(draw(st.integers(1, 12))):
         prompt = draw(st.integers(1, capacity))
@@ -184,7 +185,7 @@ def workloads(draw):
         arrival = draw(st.integers(0, 20))
         abort = draw(st.none() | st.integers(arrival, arrival + 30))
         requests.append((arrival, prompt, max_tokens, abort))
-    return block_size, num_blocks, budget, max_seqs, requests
+    return block_size, num_blocks, budget, max_seqs, prefill_cap, requests
 
 
 def check_blocks(bm: BlockManager, live: list[Sequence]) -> None:
@@ -199,9 +200,10 @@ def check_blocks(bm: BlockManager, live: list[Sequence]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(workloads())
 def test_scheduler_never_leaks_never_overbooks_never_starves(workload):
-    block_size, num_blocks, budget, max_seqs, requests = workload
+    block_size, num_blocks, budget, max_seqs, prefill_cap, requests = workload
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    sched = Scheduler(bm, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                      max_prefill_tokens_with_decodes=prefill_cap)
     seqs = [Sequence(str(i), list(range(p)), SamplingParams(max_tokens=m), 0.0)
             for i, (_, p, m, _) in enumerate(requests)]
     # a generous bound: every token of every request recomputed once per request, plus arrival time
@@ -217,6 +219,8 @@ def test_scheduler_never_leaks_never_overbooks_never_starves(workload):
         out = sched.schedule(now=float(step))
         assert out.total_tokens <= budget and len(out.seqs) <= max_seqs and len(sched.running) <= max_seqs
         assert all(n >= 1 for n in out.num_tokens) and len({id(s) for s in out.seqs}) == len(out.seqs)
+        if prefill_cap and out.num_decode_tokens:
+            assert out.num_prefill_tokens <= prefill_cap
         for seq, n in zip(out.seqs, out.num_tokens):
             assert seq.status == SequenceStatus.RUNNING
             assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n, "scheduled past its blocks"

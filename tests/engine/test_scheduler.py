@@ -133,3 +133,160 @@ def test_abort_frees_blocks_everywhere():
     s.finish(a, "abort")            # decoding
     assert not s.has_unfinished()
     bm.check_all_free()
+
+
+# ---- the decode-aware prefill cap (max_prefill_tokens_with_decodes)
+
+def test_prefill_cap_applies_only_to_steps_with_decodes():
+    bm = BlockManager(num_blocks=100, block_size=4)
+    s = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8, max_prefill_tokens_with_decodes=8)
+    a, b = seq("a", 3), seq("b", 100)
+    s.add(a)
+    s.add(b)
+    out = run_step(s)
+    # nothing decodes yet (an idle server): the whole budget, the cap does not apply
+    assert out.num_tokens == [3, 61] and out.is_prefill == [True, True]
+    out = run_step(s)
+    # a decodes: b's chunk is capped at 8, not the 39 left of its prompt (budget left: 63)
+    assert [x.request_id for x in out.seqs] == ["a", "b"] and out.num_tokens == [1, 8]
+    assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 8
+    c = seq("c", 5)
+    s.add(c)
+    out = run_step(s)
+    # the cap is for all prefills together: b took it, c is not admitted although budget is left
+    assert out.num_tokens == [1, 8] and c.status == SequenceStatus.WAITING
+    out = run_step(s)
+    out = run_step(s)
+    assert out.num_tokens == [1, 8] and b.num_computed_tokens == 93
+    out = run_step(s)
+    # b's last 7 tokens, and c gets the 1 token of the cap that is left
+    assert [x.request_id for x in out.seqs] == ["a", "b", "c"] and out.num_tokens == [1, 7, 1]
+    assert out.num_prefill_tokens == 8 and b.metrics.num_prefill_steps == 6
+    out = run_step(s)
+    assert [x.request_id for x in out.seqs] == ["a", "b", "c"] and out.num_tokens == [1, 1, 4]
+    assert out.is_prefill == [False, False, True]
+    for x in (a, b, c):
+        assert len(x.block_table) == -(-x.num_computed_tokens // 4)
+
+
+def test_prefill_cap_off_or_at_least_the_budget_changes_nothing():
+    for cap in (0, 64, 1000):
+        bm = BlockManager(num_blocks=100, block_size=4)
+        s = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8, max_prefill_tokens_with_decodes=cap)
+        s.add(seq("a", 3))
+        s.add(seq("b", 100))
+        assert run_step(s).num_tokens == [3, 61]
+        assert run_step(s).num_tokens == [1, 39]      # the rest of b's prompt, uncapped
+
+
+def test_prefill_cap_of_one_still_moves_the_oldest_prefill_every_step():
+    # the smallest cap: no prefill starves; prefills advance oldest first, one token a step
+    bm = BlockManager(num_blocks=100, block_size=4)
+    s = Scheduler(bm, max_num_batched_tokens=16, max_num_seqs=8, max_prefill_tokens_with_decodes=1)
+    a, b, c = seq("a", 2), seq("b", 10), seq("c", 12)
+    for x in (a, b, c):
+        s.add(x)
+    out = run_step(s)
+    assert out.num_tokens == [2, 10, 4]              # no decodes: the whole budget; c is cut
+    out = run_step(s)
+    # a and b decode; c (8 left) gets one token
+    assert [x.request_id for x in out.seqs] == ["a", "b", "c"] and out.num_tokens == [1, 1, 1]
+    d = seq("d", 3)
+    s.add(d)
+    for _ in range(7):
+        out = run_step(s)
+        assert [x.request_id for x in out.seqs] == ["a", "b", "c"] and out.num_tokens == [1, 1, 1]
+        assert d.status == SequenceStatus.WAITING
+    # c's prompt is done (it decodes from now on): d is admitted, one token a step
+    assert c.num_computed_tokens == 12 and c.num_output_tokens == 1
+    out = run_step(s)
+    assert [x.request_id for x in out.seqs] == ["a", "b", "c", "d"] and out.num_tokens == [1, 1, 1, 1]
+    assert out.is_prefill == [False, False, False, True]
+
+
+def test_prefill_cap_shares_between_running_and_partial_prefills_oldest_first():
+    bm = BlockManager(num_blocks=100, block_size=4)
+    s = Scheduler(bm, max_num_batched_tokens=32, max_num_seqs=8, max_prefill_tokens_with_decodes=6)
+    a, b, c = seq("a", 4), seq("b", 30), seq("c", 20)
+    for x in (a, b, c):
+        s.add(x)
+    out = run_step(s)
+    assert out.num_tokens == [4, 28]                 # c waits: no budget left
+    out = run_step(s)
+    # a decodes; b's last 2 tokens, then c is admitted with the 4 left of the cap
+    assert [x.request_id for x in out.seqs] == ["a", "b", "c"] and out.num_tokens == [1, 2, 4]
+    out = run_step(s)
+    assert [x.request_id for x in out.seqs] == ["a", "b", "c"] and out.num_tokens == [1, 1, 6]
+    assert out.num_prefill_tokens == 6
+
+
+def test_prefill_cap_with_preemption_keeps_the_rules():
+    # 4 blocks of 4: a (8) and b (7) fill the cache in the first step; when a needs a third block,
+    # b (admitted last) is preempted; a step with no decodes left re-prefills b with the whole budget
+    bm = BlockManager(num_blocks=4, block_size=4)
+    s = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8, max_prefill_tokens_with_decodes=2)
+    a, b = seq("a", 8), seq("b", 7)
+    s.add(a)
+    s.add(b)
+    assert run_step(s).num_tokens == [8, 7]
+    out = run_step(s)
+    assert out.preempted == [b] and out.seqs == [a] and out.num_tokens == [1]
+    s.finish(a, "stop")
+    out = run_step(s)
+    assert out.seqs == [b] and out.num_tokens == [8] and out.is_prefill == [True]
+    s.finish(b, "stop")
+    bm.check_all_free()
+
+
+def test_prefill_cap_is_validated():
+    from pdserve.config import EngineConfig
+
+    assert EngineConfig(model="m", device="cpu").max_prefill_tokens_with_decodes > 0    # on by default
+    assert EngineConfig(model="m", device="cpu", max_prefill_tokens_with_decodes=0).max_prefill_tokens_with_decodes == 0
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes must be >= 0"):
+        EngineConfig(model="m", device="cpu", max_prefill_tokens_with_decodes=-1)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-prefill-tokens-with-decodes", "-1", "must be >= 0 (0 = no cap), got -1"),
+    ("--max-prefill-tokens-with-decodes", "many", "invalid int value: 'many'"),
+    ("--max-num-batched-tokens", "0", "must be >= 1, got 0"),
+])
+def test_bad_scheduler_flags_are_one_line_cli_errors(flag, value, message):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pdserve", "generate", "x", flag, value], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == f"pdserve generate: error: argument {flag}: {message}"
+    assert "Traceback" not in r.stderr
+
+
+def test_engine_with_a_small_prefill_cap_generates_what_each_request_does_alone(tiny_llama):
+    """End to end: the cap changes how prompts are chunked, never what is generated."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.engine.llm_engine import LLMEngine
+    from tests.engine.helpers import corpus_prompts
+
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = LLM(tiny_llama, max_prefill_tokens_with_decodes=0)
+    prompts = corpus_prompts(ref.tokenizer, lens=[6, 70, 23, 41])
+    solo = [ref.generate([p], greedy)[0].token_ids for p in prompts]
+    engine = LLMEngine(tiny_llama, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=5)
+    engine.add_request("0", prompts[0], greedy)
+    final, step, capped = {}, 0, 0
+    while engine.has_unfinished_requests() or step < 3:
+        if step == 2:                       # arrive while "0" decodes
+            for i in (1, 2, 3):
+                engine.add_request(str(i), prompts[i], greedy)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        st = engine.last_step
+        if st.num_decode_tokens:
+            assert st.num_prefill_tokens <= 5
+            capped += st.num_prefill_tokens == 5
+        step += 1
+    assert [final[str(i)].token_ids for i in range(4)] == solo
+    assert capped >= 10                     # every step while "0" decoded carried a capped chunk
+    engine.block_manager.check_all_free()
