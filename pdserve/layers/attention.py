@@ -36,6 +36,9 @@ class AttentionGroup:
     # sequence's first query).
     mask: torch.Tensor | None
     q_lens: torch.Tensor | None = None   # (B,) int64 queries per sequence, for the prefill kernel
+    # decodes at flat rows first_row .. first_row + B - 1 (the runner puts them first): slices, not
+    # index ops (a batch-1 step is 24 layers of tiny ops, each costing microseconds)
+    first_row: int | None = None
 
 
 @dataclass
@@ -74,9 +77,10 @@ def build_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block
     tables = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables], dtype=torch.long)
     ctx_t = torch.tensor(ctx_lens)
     if not with_mask:
+        consecutive = Q == 1 and starts[-1] - starts[0] == B - 1
         return AttentionGroup(torch.tensor(starts)[:, None].to(device), torch.ones(B, 1, dtype=torch.bool, device=device),
                               tables.to(device), K, block_size, ctx_t.to(device), sliding_window, None,
-                              torch.tensor(q_lens).to(device) if Q > 1 else None)
+                              torch.tensor(q_lens).to(device) if Q > 1 else None, starts[0] if consecutive else None)
     q_lens_t = torch.tensor(q_lens)
     q_off = torch.arange(Q)
     query_valid = q_off[None, :] < q_lens_t[:, None]
@@ -112,9 +116,10 @@ class PagedAttention(nn.Module):
         for g in meta.groups:
             window = g.sliding_window or 0
             if g.mask is None and g.q_lens is None:   # decodes: one query each
-                rows = g.token_idx[:, 0]
-                out[rows] = cpu_ops().paged_decode_attention(qf[rows], self.k_cache, self.v_cache, g.block_tables,
-                                                             g.ctx_lens, g.block_size, self.scale, window)
+                B = g.token_idx.shape[0]
+                rows = g.token_idx[:, 0] if g.first_row is None else slice(g.first_row, g.first_row + B)
+                out[rows] = cpu_ops().paged_decode_attention(qf[rows].contiguous(), self.k_cache, self.v_cache,
+                                                             g.block_tables, g.ctx_lens, g.block_size, self.scale, window)
             elif g.mask is None:                      # prefill chunks, written into out in place
                 cpu_ops().paged_prefill_attention(qf, self.k_cache, self.v_cache, g.block_tables, g.token_idx[:, 0],
                                                   g.q_lens, g.ctx_lens, out, g.block_size, self.scale, window)

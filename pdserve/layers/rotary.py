@@ -38,10 +38,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: (T, H, D), k: (T, Hkv, D), positions: (T,)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of each position, (T, 1, D): looked up once per forward for all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+        """rope: lookup(positions); q: (T, H, D), k: (T, Hkv, D)."""
+        cos, sin = rope
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 

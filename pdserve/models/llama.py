@@ -20,6 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:   # one op instead of six (bitwise the same result in fp32)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # normalise in fp32 like the reference, whatever the model dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -38,10 +40,10 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(H, Hkv, D, scale=D ** -0.5)
         self.H, self.Hkv, self.D = H, Hkv, D
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
-        q, k = self.rotary(positions, q.view(T, self.H, self.D), k.view(T, self.Hkv, self.D))
+        q, k = self.rotary(rope, q.view(T, self.H, self.D), k.view(T, self.Hkv, self.D))
         v = v.view(T, self.Hkv, self.D)
         return self.o_proj(self.attn(q, k, v))
 
@@ -66,23 +68,24 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)   # once per forward, shared by every layer
         for layer in self.layers:
-            x = layer(positions, x)
+            x = layer(rope, x)
         return self.norm(x)
 
 
