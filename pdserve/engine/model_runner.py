@@ -11,6 +11,7 @@ import torch
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kernels import cpu_ops
+from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import AttentionMetadata, PagedAttention, attention_context, build_group
 from pdserve.layers.sampler import Sampler
 from pdserve.layers.packed_linear import pack_model
@@ -50,6 +51,9 @@ class ModelRunner:
         fmt = c.quantization or ("bf16" if self.dtype == torch.bfloat16 else "fp32")
         embed = embed_module_name(self.model_config) if self.model_config.tie_word_embeddings else None
         pack_model(self.model, fmt, embed)
+        for m in self.model.modules():
+            if isinstance(m, SiluAndMul):
+                m.use_kernel = True
         return fmt
 
     @property

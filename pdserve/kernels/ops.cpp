@@ -9,6 +9,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                              torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens, torch::Tensor out,
                              int64_t block_size, double scale, int64_t sliding_window);
+torch::Tensor silu_and_mul(torch::Tensor x);
 
 // All release the GIL while they run, as torch's own ops do: the server's asyncio thread keeps
 // answering (/health, refusals, streaming) while the engine thread computes.
@@ -22,5 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one-query attention over the paged KV cache (attention_cpu.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prefill chunks over the paged KV cache, into out (prefill_attention_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (activation_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
 }

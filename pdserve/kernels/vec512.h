@@ -17,7 +17,8 @@ template <> inline __m512 load16<int8_t>(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
 
-// exp for x <= 0 (softmax after subtracting the max): 2^n * poly(r), |r| <= ln2/2, rel. error ~1e-7
+// exp: 2^n * poly(r), |r| <= ln2/2, rel. error ~1e-7 for x in [-87, 88]; below -87 it is ~0, above
+// 88 inf (softmax calls it on x <= 0, SiLU on any x)
 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

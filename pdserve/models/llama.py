@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
+from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention
 from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.rotary import RotaryEmbedding
@@ -53,11 +54,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = cfg.raw.get("mlp_bias", False)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
+        self.act = SiluAndMul()
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

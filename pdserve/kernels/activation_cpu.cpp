@@ -1,0 +1,35 @@
+// SwiGLU's activation on the merged gate/up product: out = silu(gate) * up in one pass.
+// Why: gate and up are the two halves of each row of one (T, 2I) product (merged_linear.py), so
+// torch's silu and mul run on strided views and re-read and re-write the (T, I) intermediate:
+// at prefill 2048 on the 0.5B model that was ~0.3 s per forward.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include "vec512.h"
+
+// x: (T, 2I) fp32 contiguous, gate = x[:, :I], up = x[:, I:]. Returns (T, I) fp32.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 2 == 0,
+              "x must be (T, 2I) fp32 contiguous");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({T, I}, x.options());
+  const float* px = x.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  // rows per task: at least ~64K elements, so small batches stay on one thread
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, I));
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = px + t * 2 * I;
+      const float* u = g + I;
+      float* o = po + t * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 m = I - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (I - i)) - 1);
+        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+        // silu(g) = g / (1 + exp(-g))
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), pdserve::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+      }
+    }
+  });
+  return out;
+}

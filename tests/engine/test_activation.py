@@ -1,0 +1,35 @@
+"""The CPU silu-and-mul kernel equals torch's silu(gate) * up, and the runner switches it on."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels import cpu_ops
+from pdserve.layers.activation import SiluAndMul
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="CPU kernels not buildable here (no AVX-512)")
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 704), (7, 2 * 33), (300, 2 * 4864), (2, 3, 2 * 16)])
+def test_kernel_equals_torch(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 6   # well into both tails of the sigmoid
+    x[..., 0] = 100.0
+    x[..., 1] = -100.0
+    act = SiluAndMul()
+    want = act(x)                # torch
+    act.use_kernel = True
+    got = act(x)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(want, F.silu(gate) * up)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_runner_switches_it_on_with_the_kernels(tiny_llama):
+    from pdserve.engine.llm_engine import LLMEngine
+    on = LLMEngine(tiny_llama, num_kv_blocks=8)
+    off = LLMEngine(tiny_llama, num_kv_blocks=8, cpu_kernels=False)
+    def acts(e):
+        return [m.use_kernel for m in e.runner.model.modules() if isinstance(m, SiluAndMul)]
+    assert acts(on) and all(acts(on))
+    assert acts(off) and not any(acts(off))
