@@ -13,9 +13,6 @@ import torch
 from pdserve.checkpoint_files import checkpoint_file
 from pdserve.errors import CheckpointError
 
-# The decode-aware prefill cap (scheduler.py), chosen by benchmarks/budget_sweep.py (docs/BENCHMARKS.md).
-DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES = 32
-
 SUPPORTED_ARCHITECTURES = ("OPTForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -122,8 +119,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     # In a step that also decodes, at most this many prefill tokens in all (0: no cap; a step
-    # without decodes still takes max_num_batched_tokens). Keeps running streams' ITL steady.
-    max_prefill_tokens_with_decodes: int = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES
+    # without decodes still takes max_num_batched_tokens). Keeps running streams' ITL steady at a
+    # cost in throughput and queued TTFT, so it is off by default (docs/BENCHMARKS.md, target 6).
+    max_prefill_tokens_with_decodes: int = 0
     max_model_len: int | None = None
     seed: int = 0
     quantization: str | None = None     # "int8": weight-only int8 linears (CPU packed kernel)

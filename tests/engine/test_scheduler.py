@@ -241,7 +241,7 @@ def test_prefill_cap_with_preemption_keeps_the_rules():
 def test_prefill_cap_is_validated():
     from pdserve.config import EngineConfig
 
-    assert EngineConfig(model="m", device="cpu").max_prefill_tokens_with_decodes > 0    # on by default
+    assert EngineConfig(model="m", device="cpu").max_prefill_tokens_with_decodes == 0   # off by default
     assert EngineConfig(model="m", device="cpu", max_prefill_tokens_with_decodes=0).max_prefill_tokens_with_decodes == 0
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes must be >= 0"):
         EngineConfig(model="m", device="cpu", max_prefill_tokens_with_decodes=-1)
