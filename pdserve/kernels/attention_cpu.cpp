@@ -53,6 +53,15 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
+// Ask for the next tile's cache rows while this one is computed: they sit in scattered blocks,
+// where the hardware prefetcher does not look ahead (n may be <= 0).
+template <int C, typename T>
+inline void prefetch_rows(const T* const* rows, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t off = 0; off < int64_t(16 * C * sizeof(T)); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
+}
+
 // C = head_dim / 16 is a template argument so that q and the accumulators live in registers
 template <typename T, int C>
 void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* ctx,
@@ -65,8 +74,8 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
   const int64_t bytes_per_task = std::max<int64_t>(1, total / B * 2 * D * int64_t(sizeof(T)));
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / bytes_per_task);
   at::parallel_for(0, B * Hkv, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
-    std::vector<const T*> krows;
+    std::vector<float> scores, qs;
+    std::vector<const T*> krows, vrows;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, kvh = t % Hkv, n = ctx[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0, len = n - first;
@@ -80,38 +89,48 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
           for (int64_t p = lo; p < hi; ++p) f(p - first, base + (p - blk * bs) * row);
         }
       };
-      // pass 1: scores q.k, one query head at a time (its q stays in registers, K in L1/L2), 16
-      // keys at a time: 16 vectors of partial sums, reduced together (no horizontal sum per key)
+      // Keys and values are visited 16 at a time, and each tile serves all G query heads while it
+      // is in L1: a K or V row is fetched from memory once per step, not once per query head.
       krows.resize(len);
+      vrows.resize(len);
       for_each_row(kc, [&](int64_t i, const T* k) { krows[i] = k; });
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + (b * H + kvh * G + g) * D;
-        __m512 qv[C];
-        for (int c = 0; c < C; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_set1_ps(scale));
-        float* s = scores.data() + g * len;
-        for (int64_t i0 = 0; i0 < len; i0 += 16) {
-          const int64_t nk = std::min<int64_t>(16, len - i0);   // a short tail repeats its last key
+      for_each_row(vc, [&](int64_t i, const T* v) { vrows[i] = v; });
+      qs.resize(G * D);
+      for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + kvh * G) * D + i] * scale;
+      // pass 1: scores q.k; 16 vectors of partial sums per head and tile, reduced together (no
+      // horizontal sum per key)
+      for (int64_t i0 = 0; i0 < len; i0 += 16) {
+        const int64_t nk = std::min<int64_t>(16, len - i0);   // a short tail repeats its last key
+        prefetch_rows<C>(krows.data() + i0 + 16, std::min<int64_t>(16, len - i0 - 16));
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 qv[C];
+          for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs.data() + g * D + 16 * c);
           __m512 acc[16];
           for (int j = 0; j < 16; ++j) {
             const T* k = krows[i0 + std::min<int64_t>(j, nk - 1)];
             acc[j] = _mm512_mul_ps(qv[0], load16<T>(k));
             for (int c = 1; c < C; ++c) acc[j] = _mm512_fmadd_ps(qv[c], load16<T>(k + 16 * c), acc[j]);
           }
-          _mm512_mask_storeu_ps(s + i0, static_cast<__mmask16>((1u << nk) - 1), sum16(acc));
+          _mm512_mask_storeu_ps(scores.data() + g * len + i0, static_cast<__mmask16>((1u << nk) - 1), sum16(acc));
         }
-        softmax(s, len);
       }
-      // pass 2: weighted sum of values, one query head at a time, accumulated in registers
-      for (int64_t g = 0; g < G; ++g) {
-        const float* s = scores.data() + g * len;
-        __m512 acc[C];
-        for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-        for_each_row(vc, [&](int64_t i, const T* v) {
-          const __m512 w = _mm512_set1_ps(s[i]);
-          for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w, load16<T>(v + 16 * c), acc[c]);
-        });
-        float* o = out + (b * H + kvh * G + g) * D;
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
+      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * len, len);
+      // pass 2: weighted sum of values, accumulated in the G output rows (contiguous) per tile
+      float* o = out + (b * H + kvh * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) o[i] = 0.f;
+      for (int64_t i0 = 0; i0 < len; i0 += 16) {
+        const int64_t nk = std::min<int64_t>(16, len - i0);
+        prefetch_rows<C>(vrows.data() + i0 + 16, std::min<int64_t>(16, len - i0 - 16));
+        for (int64_t g = 0; g < G; ++g) {
+          const float* sg = scores.data() + g * len + i0;
+          __m512 acc[C];
+          for (int c = 0; c < C; ++c) acc[c] = _mm512_loadu_ps(o + g * D + 16 * c);
+          for (int64_t j = 0; j < nk; ++j) {
+            const __m512 w = _mm512_set1_ps(sg[j]);
+            for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w, load16<T>(vrows[i0 + j] + 16 * c), acc[c]);
+          }
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + g * D + 16 * c, acc[c]);
+        }
       }
     }
   });
