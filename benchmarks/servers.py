@@ -1,6 +1,7 @@
 """Server processes for benchmarks/compare.py: start one on 127.0.0.1 in its own process group,
-wait for /health, stop the whole group by its id; and one streamed completion request sent the
-way `pdserve bench` sends it, to check that a server answers."""
+wait for /health, stop the whole group by its id; one streamed completion request sent the
+way `pdserve bench` sends it, to check that a server answers; and pdserve's /metrics as numbers
+(also used by the end-to-end tests, tests/server/conftest.py)."""
 from __future__ import annotations
 
 import http.client
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import time
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 
 
@@ -25,6 +27,17 @@ def log_tail(path: str, lines: int = 15) -> str:
             return "".join(f.readlines()[-lines:]).rstrip()
     except OSError:
         return ""
+
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """The /metrics samples as {'name{labels}': value}."""
+    samples = {}
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+    return samples
 
 
 def free_port() -> int:

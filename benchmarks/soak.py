@@ -38,7 +38,7 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from servers import Server, free_port  # noqa: E402
+from servers import Server, free_port, scrape_metrics  # noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "results", "reliability", "soak.json")
 RSS_TOLERANCE = 0.05
@@ -229,15 +229,6 @@ def common_prefix(a: str, b: str) -> int:
 
 # ---- the server side
 
-def metrics(base_url: str) -> dict[str, float]:
-    samples = {}
-    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
 def successes(m: dict[str, float]) -> dict[str, float]:
     """request_success_total by finish reason."""
     out = {}
@@ -252,7 +243,7 @@ def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
     """Poll /metrics until nothing runs, waits or holds a KV block; the last samples either way."""
     deadline = time.monotonic() + timeout
     while True:
-        m = metrics(base_url)
+        m = scrape_metrics(base_url)
         if is_idle(m) or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
@@ -300,7 +291,7 @@ def run_soak(model: str | None = None, num_requests: int = 2000, concurrency: in
         asyncio.run(run_jobs(server.base_url, warm, concurrency, timeout))
         wait_idle(server.base_url)
         rss_warm = settled_rss(pid)
-        before = metrics(server.base_url)
+        before = scrape_metrics(server.base_url)
 
         t0 = time.monotonic()
         outcomes = asyncio.run(run_jobs(server.base_url, jobs, concurrency, timeout))

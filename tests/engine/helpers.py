@@ -4,6 +4,7 @@ import functools
 import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.layers.attention import AttentionMetadata, PagedAttention, attention_context, build_group
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling_params import SamplingParams
 
@@ -81,3 +82,39 @@ def tokens_before_divergence(ref_outputs, other_outputs) -> int:
                 break
             same += 1
     return same
+
+
+def attention_torch_and_kernels(H, Hkv, D, block_size, window, dtype, q_lens, ctx_lens, seed):
+    """A PagedAttention layer over a shuffled paged cache and one step's flat batch (sequence i has
+    q_lens[i] new queries and ctx_lens[i] keys): the output of the torch path (gather + masked
+    SDPA) and of the CPU kernels (no masks), to compare."""
+    torch.manual_seed(seed)
+    tables, used = [], 0
+    num_blocks = sum(-(-n // block_size) for n in ctx_lens) + 3
+    perm = torch.randperm(num_blocks).tolist()
+    for n in ctx_lens:
+        nb = -(-n // block_size)
+        tables.append(perm[used:used + nb])
+        used += nb
+    layer = PagedAttention(H, Hkv, D, scale=D ** -0.5)
+    cache = torch.randn(2, num_blocks * block_size, Hkv, D).to(dtype)
+    layer.k_cache, layer.v_cache = cache[0], cache[1]
+    T = sum(q_lens)
+    q, k, v = torch.randn(T, H, D).to(dtype), torch.randn(T, Hkv, D).to(dtype), torch.randn(T, Hkv, D).to(dtype)
+    slots, starts = [], []
+    for t, ql, n in zip(tables, q_lens, ctx_lens):
+        starts.append(len(slots))
+        slots.extend(t[p // block_size] * block_size + p % block_size for p in range(n - ql, n))
+    # as the runner groups them: decodes (one query) and prefill chunks
+    groups = [[i for i, ql in enumerate(q_lens) if ql == 1], [i for i, ql in enumerate(q_lens) if ql > 1]]
+
+    def run(with_mask):
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), groups=[
+            build_group([q_lens[i] for i in g], [starts[i] for i in g], [ctx_lens[i] for i in g],
+                        [tables[i] for i in g], block_size, window, "cpu", with_mask=with_mask)
+            for g in groups if g])
+        # no mask is what sends a group to the kernels (the layer has no other path for it)
+        assert all((g.mask is None) == (not with_mask) for g in meta.groups)
+        with attention_context(meta):
+            return layer(q, k, v)
+    return run(True), run(False)

@@ -6,7 +6,6 @@ a failing start shows the log's tail.
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,9 @@ import time
 import httpx
 import pytest
 
-
-def metrics(url: str) -> dict[str, float]:
-    """The /metrics samples as {'name{labels}': value}."""
-    samples = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+from servers import free_port, scrape_metrics as metrics  # noqa: E402  (re-exported to the tests)
 
 
 def wait_for(url: str, predicate, timeout: float = 20.0) -> dict[str, float]:
@@ -36,12 +29,6 @@ def wait_for(url: str, predicate, timeout: float = 20.0) -> dict[str, float]:
             pytest.fail(f"metrics condition not met within {timeout}s: "
                         f"{ {k: v for k, v in m.items() if not re.search('_bucket|_created', k)} }")
         time.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
