@@ -6,7 +6,7 @@ into chunks of at most `--max-num-batched-tokens` (the step budget) minus the de
 budget keeps each step short (steady ITL) but spreads a long prefill over many steps (long TTFT);
 a large one finishes prefills sooner but stalls every decode in the steps that carry a big chunk.
 
-The decode-aware prefill cap (`--max-prefill-tokens-with-decodes`, the engine's default is on)
+The decode-aware prefill cap (`--max-prefill-tokens-with-decodes`, off in the engine by default)
 bounds the prefill tokens of a step that also decodes, whatever the budget: `--caps` sweeps it
 (0 = off), crossed with the budgets.
 

@@ -50,13 +50,17 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Mo
     if tied:  # to_empty gives each module its own tensor: tie again
         model.lm_head.weight = model.get_submodule(embed_module_name(cfg)).weight
     params = dict(model.named_parameters(remove_duplicate=False))
-    # every parameter to fill: (name, shard) with shard None, or each shard of a merged linear
-    needed = {(n, None) for n in params}
+    # what must be filled, (parameter, shard) -> the name to report if it is missing: each shard of
+    # a merged linear by its checkpoint name (shard None: a whole parameter)
+    needed = {(n, None): n for n in params if not (tied and n == "lm_head.weight")}
+    stacked = getattr(model, "stacked_params", {})
     for name, module in model.named_modules():
         if isinstance(module, MergedLinear):
+            path, _, merged = name.rpartition(".")
             for p in ("weight", "bias") if module.bias is not None else ("weight",):
-                needed.discard((f"{name}.{p}", None))
-                needed |= {(f"{name}.{p}", i) for i in range(len(module.output_sizes))}
+                del needed[(f"{name}.{p}", None)]
+                needed.update({(f"{name}.{p}", i): f"{path}.{source}.{p}"
+                               for source, (m, i) in stacked.items() if m == merged})
     loaded = set()
     files = weight_files(cfg.path)
     with torch.no_grad():
@@ -81,8 +85,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Mo
                                               f"implies {tuple(dest.shape)}")
                     dest.copy_(tensor)
                     loaded.add((target, shard))
-    missing = [n if s is None else n.replace(*stacked_source(model, n, s))
-               for n, s in sorted(needed - loaded, key=str) if not (tied and n == "lm_head.weight")]
+    missing = [shown for key, shown in needed.items() if key not in loaded]
     if missing:
         raise CheckpointError(f"{files[0]}: missing tensor {missing[0]!r}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
@@ -96,13 +99,6 @@ def stacked_target(model: torch.nn.Module, name: str) -> tuple[str, int | None]:
     if merged is None:
         return name, None
     return ".".join([*path, merged[0], param]), merged[1]
-
-
-def stacked_source(model: torch.nn.Module, name: str, shard: int) -> tuple[str, str]:
-    """The (merged, checkpoint) module names to turn a missing shard back into its checkpoint name."""
-    module = name.split(".")[-2]
-    source = next(k for k, (m, i) in model.stacked_params.items() if m == module and i == shard)
-    return f".{module}.", f".{source}."
 
 
 def embed_module_name(cfg: ModelConfig) -> str:

@@ -42,10 +42,11 @@ class RotaryEmbedding(nn.Module):
         """(cos, sin) of each position, (T, 1, D): looked up once per forward for all layers."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        """rope: lookup(positions); q: (T, H, D), k: (T, Hkv, D)."""
-        cos, sin = rope
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+def apply_rotary(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+    """rope: RotaryEmbedding.lookup(positions); q: (T, H, D), k: (T, Hkv, D)."""
+    cos, sin = rope
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

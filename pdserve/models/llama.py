@@ -11,7 +11,7 @@ from pdserve.config import ModelConfig
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention
 from pdserve.layers.merged_linear import MergedLinear
-from pdserve.layers.rotary import RotaryEmbedding
+from pdserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -30,21 +30,20 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_bias = cfg.architecture == "Qwen2ForCausalLM" or cfg.raw.get("attention_bias", False)
         o_bias = cfg.architecture != "Qwen2ForCausalLM" and cfg.raw.get("attention_bias", False)
         self.qkv_proj = MergedLinear(cfg.hidden_size, [H * D, Hkv * D, Hkv * D], bias=qkv_bias)
         self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=o_bias)
-        self.rotary = rotary
         self.attn = PagedAttention(H, Hkv, D, scale=D ** -0.5)
         self.H, self.Hkv, self.D = H, Hkv, D
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
-        q, k = self.rotary(rope, q.view(T, self.H, self.D), k.view(T, self.Hkv, self.D))
+        q, k = apply_rotary(rope, q.view(T, self.H, self.D), k.view(T, self.Hkv, self.D))
         v = v.view(T, self.Hkv, self.D)
         return self.o_proj(self.attn(q, k, v))
 
@@ -62,9 +61,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -79,7 +78,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
