@@ -1,7 +1,8 @@
 """Small compiled CPU kernels where torch has none fast enough on our machines (docs/BENCHMARKS.md):
 linear_cpu.cpp (linears on pre-packed weights), attention_cpu.cpp (decode attention read
 straight from the paged KV cache), prefill_attention_cpu.cpp (causal attention of prefill chunks,
-also read in place) and activation_cpu.cpp (SwiGLU's silu(gate) * up in one pass).
+also read in place), activation_cpu.cpp (SwiGLU's silu(gate) * up in one pass), norm_cpu.cpp
+(RMSNorm, fused with the residual add before it) and rotary_cpu.cpp (RoPE on q and k in place).
 
 Built on first use with torch's C++ extension loader (needs a C++ compiler; the build is cached
 under ~/.cache/torch_extensions). Where it cannot be built (no compiler, no AVX-512) the engine
@@ -12,7 +13,8 @@ import os
 
 log = logging.getLogger("pdserve")
 _DIR = os.path.dirname(__file__)
-SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "attention_cpu.cpp", "prefill_attention_cpu.cpp", "activation_cpu.cpp")]
+SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "attention_cpu.cpp", "prefill_attention_cpu.cpp",
+                                           "activation_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp")]
 
 
 @functools.cache   # asked once per linear layer at load

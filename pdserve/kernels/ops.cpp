@@ -10,6 +10,9 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
                              torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens, torch::Tensor out,
                              int64_t block_size, double scale, int64_t sliding_window);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 
 // All release the GIL while they run, as torch's own ops do: the server's asyncio thread keeps
 // answering (/health, refusals, streaming) while the engine thread computes.
@@ -25,5 +28,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of prefill chunks over the paged KV cache, into out (prefill_attention_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (activation_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows (norm_cpu.cpp)", py::call_guard<py::gil_scoped_release>());
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual) (norm_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE on q and k in place (rotary_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
 }

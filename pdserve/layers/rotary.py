@@ -1,8 +1,14 @@
-"""Rotary position embedding (the rotate-half layout HF checkpoints use), with llama3 scaling."""
+"""Rotary position embedding (the rotate-half layout HF checkpoints use), with llama3 scaling.
+
+On CPU with the compiled kernels (the runner sets use_kernel) q and k are rotated in place by
+kernels/rotary_cpu.cpp, one pass over the views of the qkv product; elsewhere by torch's ops."""
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from pdserve.kernels import cpu_ops
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -19,7 +25,16 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+class Rope(NamedTuple):
+    """cos and sin of each token's position, (T, 1, D), and whether to rotate with the kernel."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kernel: bool = False
+
+
 class RotaryEmbedding(nn.Module):
+    use_kernel = False
+
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
         super().__init__()
         self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
@@ -38,14 +53,19 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of each position, (T, 1, D): looked up once per forward for all layers."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos and sin of each position: looked up once per forward for all layers."""
+        return Rope(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype),
+                    self.use_kernel and dtype == torch.float32)
 
 
-def apply_rotary(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-    """rope: RotaryEmbedding.lookup(positions); q: (T, H, D), k: (T, Hkv, D)."""
-    cos, sin = rope
+def apply_rotary(rope: Rope, q: torch.Tensor, k: torch.Tensor):
+    """rope: RotaryEmbedding.lookup(positions); q: (T, H, D), k: (T, Hkv, D). With the kernel q and
+    k are rotated in place (they are views of this step's qkv product)."""
+    if rope.kernel:
+        cpu_ops().rotary_embedding(q, k, rope.cos, rope.sin)
+        return q, k
+    cos, sin = rope.cos, rope.sin
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 

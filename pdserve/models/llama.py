@@ -4,29 +4,14 @@ RMSNorm, RoPE, SwiGLU, grouped-query attention. Module names mirror the HF check
 loading is a name match, except q/k/v and gate/up: each is one MergedLinear, filled shard by shard
 (`stacked_params`)."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention
+from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.merged_linear import MergedLinear
-from pdserve.layers.rotary import RotaryEmbedding, apply_rotary
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:   # one op instead of six (bitwise the same result in fp32)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # normalise in fp32 like the reference, whatever the model dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -40,7 +25,7 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(H, Hkv, D, scale=D ** -0.5)
         self.H, self.Hkv, self.D = H, Hkv, D
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
         q, k = apply_rotary(rope, q.view(T, self.H, self.D), k.view(T, self.Hkv, self.D))
@@ -68,9 +53,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None):
+        """x: the previous layer's output, not yet added to the residual stream (None before the
+        first layer: x is the embedding). Returns this layer's output and the stream."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -84,9 +75,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)   # once per forward, shared by every layer
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

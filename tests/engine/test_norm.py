@@ -1,0 +1,59 @@
+"""The CPU RMSNorm kernels equal torch's add + rms_norm, and the runner switches them on."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels import cpu_ops
+from pdserve.layers.layernorm import RMSNorm
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="CPU kernels not buildable here (no AVX-512)")
+
+
+def norms(n: int) -> tuple[RMSNorm, RMSNorm]:
+    torch.manual_seed(1)
+    torch_norm = RMSNorm(n, 1e-5)
+    with torch.no_grad():
+        torch_norm.weight.copy_(torch.randn(n))
+    kernel_norm = RMSNorm(n, 1e-5)
+    kernel_norm.load_state_dict(torch_norm.state_dict())
+    kernel_norm.use_kernel = True
+    return torch_norm, kernel_norm
+
+
+@pytest.mark.parametrize("rows,n", [(1, 896), (32, 896), (5, 100), (600, 256), (3, 8)])
+def test_norm_equals_torch(rows, n):
+    torch_norm, kernel_norm = norms(n)
+    x = torch.randn(rows, n) * 3
+    want = torch_norm(x)
+    torch.testing.assert_close(want, F.rms_norm(x, (n,), torch_norm.weight, 1e-5))
+    torch.testing.assert_close(kernel_norm(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 896), (32, 896), (5, 100), (600, 256)])
+def test_fused_add_equals_add_then_norm(rows, n):
+    torch_norm, kernel_norm = norms(n)
+    x, residual = torch.randn(rows, n), torch.randn(rows, n) * 4
+    want_x, want_residual = torch_norm(x.clone(), residual.clone())
+    torch.testing.assert_close(want_residual, x + residual)
+    torch.testing.assert_close(want_x, F.rms_norm(x + residual, (n,), torch_norm.weight, 1e-5))
+    kr = residual.clone()
+    got_x, got_residual = kernel_norm(x.clone(), kr)
+    assert got_residual is kr   # the residual stream is updated in place
+    torch.testing.assert_close(got_residual, want_residual, rtol=0, atol=0)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
+
+
+def test_strided_input_is_copied_not_misread():
+    torch_norm, kernel_norm = norms(64)
+    x = torch.randn(64, 7).t()   # (7, 64), not contiguous
+    torch.testing.assert_close(kernel_norm(x), torch_norm(x), rtol=1e-5, atol=1e-5)
+
+
+def test_runner_switches_it_on_with_the_kernels(tiny_llama):
+    from pdserve.engine.llm_engine import LLMEngine
+    on = LLMEngine(tiny_llama, num_kv_blocks=8)
+    off = LLMEngine(tiny_llama, num_kv_blocks=8, cpu_kernels=False)
+    def flags(e):
+        return [m.use_kernel for m in e.runner.model.modules() if isinstance(m, RMSNorm)]
+    assert flags(on) and all(flags(on))
+    assert flags(off) and not any(flags(off))

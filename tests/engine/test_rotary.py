@@ -1,0 +1,48 @@
+"""The CPU rotary kernel rotates q and k in place exactly as torch's ops do, and the runner
+switches it on."""
+import pytest
+import torch
+
+from pdserve.kernels import cpu_ops
+from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="CPU kernels not buildable here (no AVX-512)")
+
+
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 14, 2, 64), (37, 8, 4, 32), (5, 4, 4, 128), (3, 2, 1, 20), (300, 16, 8, 16)])
+def test_kernel_equals_torch_on_qkv_views(T, H, Hkv, D):
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(D, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (T,))
+    qkv = torch.randn(T, (H + 2 * Hkv) * D) * 3
+    def split(t):
+        q, k, v = t.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        return q.view(T, H, D), k.view(T, Hkv, D), v
+    rope = rotary.lookup(positions, torch.float32)
+    assert not rope.kernel
+    want_q, want_k = apply_rotary(rope, *split(qkv)[:2])
+    got = qkv.clone()
+    q, k, v = split(got)
+    rope = Rope(rope.cos, rope.sin, kernel=True)
+    out_q, out_k = apply_rotary(rope, q, k)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()   # in place, in the qkv product
+    assert torch.equal(out_q, want_q) and torch.equal(out_k, want_k)   # the same roundings as torch's ops
+    assert torch.equal(v, split(qkv)[2])                                # v untouched
+
+
+def test_lookup_asks_for_the_kernel_only_in_fp32():
+    rotary = RotaryEmbedding(32, 64, 10000.0)
+    rotary.use_kernel = True
+    positions = torch.arange(4)
+    assert rotary.lookup(positions, torch.float32).kernel
+    assert not rotary.lookup(positions, torch.bfloat16).kernel
+
+
+def test_runner_switches_it_on_with_the_kernels(tiny_llama):
+    from pdserve.engine.llm_engine import LLMEngine
+    on = LLMEngine(tiny_llama, num_kv_blocks=8)
+    off = LLMEngine(tiny_llama, num_kv_blocks=8, cpu_kernels=False)
+    def flags(e):
+        return [m.use_kernel for m in e.runner.model.modules() if isinstance(m, RotaryEmbedding)]
+    assert flags(on) == [True]
+    assert flags(off) == [False]
