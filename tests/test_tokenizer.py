@@ -217,3 +217,53 @@ def test_stream_holds_incomplete_character(tiny_qwen2):
     detok = IncrementalDetokenizer(tok, tok.encode("Hi"))
     deltas = [detok.add(i) for i in ids]
     assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "🙂"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_byte_pieces_decode_like_the_tokenizer(make_tiny, arch):
+    # Byte-level tokenizers stream from each token's bytes: every id's bytes must convert to
+    # exactly what decode() gives for it, special tokens skipped or not.
+    tok = Tokenizer.from_dir(make_tiny(arch))
+    for skip in (True, False):
+        pieces = tok.byte_pieces(skip)
+        assert pieces is not None   # all the tiny checkpoints have byte-level tokenizers
+        for i in [*range(-2, tok.vocab_size + 3), 2**31]:
+            assert pieces[i].decode("utf-8", "replace") == tok.decode([i], skip), (i, skip)
+
+
+def test_python_and_rust_replace_invalid_utf8_alike():
+    # The byte path converts with Python's "replace", decode() with Rust's from_utf8_lossy: both
+    # must substitute U+FFFD for the same maximal subparts of every invalid sequence.
+    from tokenizers.decoders import ByteLevel
+
+    from pdserve.tokenizer import _BYTE_OF_CHAR
+    char_of_byte = {b: c for c, b in _BYTE_OF_CHAR.items()}
+    rust = ByteLevel()
+    rng = random.Random(0)
+    interesting = [0x00, 0x41, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC1, 0xC2, 0xDF, 0xE0, 0xE1,
+                   0xEC, 0xED, 0xEE, 0xEF, 0xF0, 0xF1, 0xF3, 0xF4, 0xF5, 0xFE, 0xFF]
+    cases = [bytes([a, b]) for a in range(256) for b in interesting]
+    cases += [bytes(rng.choice(interesting) for _ in range(rng.randrange(1, 7))) for _ in range(20000)]
+    cases += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 7))) for _ in range(5000)]
+    batch = [[char_of_byte[b] for b in case] for case in cases]
+    for case, token_chars in zip(cases, batch):
+        assert case.decode("utf-8", "replace") == rust.decode(token_chars), case
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "opt"])
+def test_byte_path_streams_what_the_decoding_path_streams(make_tiny, arch, monkeypatch):
+    # The same ids through both ways of streaming give the same deltas, tail and text.
+    tok = Tokenizer.from_dir(make_tiny(arch))
+    rng = random.Random(arch)
+    multibyte = tok.encode("".join(TEXTS[3:6]), add_special_tokens=False)
+    specials = tok.all_special_ids
+    cases = []
+    for trial in range(300):
+        n = rng.randrange(1, 30)
+        pool = [rng.randrange(-2, tok.vocab_size + 10) for _ in range(5)] + specials + multibyte
+        ids = [rng.choice(pool if trial % 2 else multibyte) for _ in range(n)]
+        prompt = [rng.choice(multibyte + specials) for _ in range(rng.randrange(0, 8))]
+        cases += [(prompt, ids, skip) for skip in (True, False)]
+    fast = [stream(tok, *case) for case in cases]
+    monkeypatch.setattr(tok, "byte_pieces", lambda skip_special_tokens=True: None)   # the decoding path
+    assert [stream(tok, *case) for case in cases] == fast

@@ -25,14 +25,21 @@ class BlockManager:
         return self.blocks_needed(seq, num_tokens) <= len(self.free_blocks)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        if not self.try_allocate(seq, num_tokens):
+            raise RuntimeError(f"out of KV blocks: need {self.blocks_needed(seq, num_tokens)}, "
+                               f"have {len(self.free_blocks)}")
+
+    def try_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """allocate() if there are enough free blocks (True), else change nothing (False)."""
         n = self.blocks_needed(seq, num_tokens)
         if n > len(self.free_blocks):
-            raise RuntimeError(f"out of KV blocks: need {n}, have {len(self.free_blocks)}")
+            return False
         for _ in range(n):
             block = self.free_blocks.popleft()
             assert self.ref_counts[block] == 0
             self.ref_counts[block] = 1
             seq.block_table.append(block)
+        return True
 
     def free(self, seq: Sequence) -> None:
         # free in reverse so the tail blocks (least likely shared) come back first

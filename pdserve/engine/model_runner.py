@@ -5,6 +5,7 @@ attention groups; execute() runs one forward under the attention context, comput
 for the sequences whose scheduled tokens reach their end (a finished prefill or a decode), and
 samples their next tokens."""
 import time
+from array import array
 
 import torch
 
@@ -13,8 +14,10 @@ from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kernels import cpu_ops
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import AttentionMetadata, PagedAttention, attention_context, build_group
+from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.sampler import Sampler
 from pdserve.layers.packed_linear import pack_model
+from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.loader import embed_module_name, load_model
 
 DEFAULT_KV_CACHE_CAP = 4 << 30  # bytes, when neither --num-kv-blocks nor --kv-cache-memory is given
@@ -52,7 +55,7 @@ class ModelRunner:
         embed = embed_module_name(self.model_config) if self.model_config.tie_word_embeddings else None
         pack_model(self.model, fmt, embed)
         for m in self.model.modules():
-            if isinstance(m, SiluAndMul):
+            if isinstance(m, (SiluAndMul, RMSNorm, RotaryEmbedding)):
                 m.use_kernel = True
         return fmt
 
@@ -93,11 +96,16 @@ class ModelRunner:
         bs = self.block_size
         for seq, n in zip(sched.seqs, sched.num_tokens):
             start, first = len(input_ids), seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[first:first + n])
-            pos = range(first, first + n)
-            positions.extend(pos)
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if n == 1:   # a decode (most sequences of a busy step): no slice, range or generator
+                input_ids.append(seq.token_ids[first])
+                positions.append(first)
+                slots.append(table[first // bs] * bs + first % bs)
+            else:
+                input_ids.extend(seq.token_ids[first:first + n])
+                pos = range(first, first + n)
+                positions.extend(pos)
+                slots.extend(table[p // bs] * bs + p % bs for p in pos)
             g = groups[n == 1]
             g[0].append(n)
             g[1].append(start)
@@ -107,12 +115,15 @@ class ModelRunner:
                 logit_rows.append(start + n - 1)
                 sample_seqs.append(seq)
         dev = self.device
+        # One int64 buffer, one tensor split into three views: torch.tensor() on a list costs ~60 ns
+        # an element (array() ~15), and each torch call costs microseconds between two forwards.
+        flat = array("q", input_ids + positions + slots)
+        input_ids_t, positions_t, slots_t = torch.frombuffer(flat, dtype=torch.long).to(dev).split(len(slots))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slots_t,
             groups=[build_group(*g, bs, self.sliding_window, dev, with_mask=not self.attention_kernels)
                     for g in groups.values() if g[0]])
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta, logit_rows, sample_seqs)
+        return input_ids_t, positions_t, meta, logit_rows, sample_seqs
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput):
@@ -123,7 +134,9 @@ class ModelRunner:
         t1 = self._now()
         with attention_context(meta):
             hidden = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        logits = None
+        if logit_rows:   # every row samples in a step of decodes only: no gather then
+            logits = self.model.compute_logits(hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows])
         t2 = self._now()
         self.last_forward_time = t2 - t1
         result = []

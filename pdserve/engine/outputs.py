@@ -57,17 +57,47 @@ class RequestMetrics:
                 "num_prefill_steps": self.num_prefill_steps, "num_preemptions": self.num_preemptions}
 
 
+class ListPrefix:
+    """items[start:stop] of a list that only ever grows (a sequence's token ids, its logprobs),
+    copied when first read rather than when made. The engine makes an output for every request
+    in every step, and most are never read whole: copying the list each time made a request's
+    outputs cost O(length^2)."""
+    __slots__ = ("items", "start", "stop")
+
+    def __init__(self, items: list, start: int, stop: int):
+        self.items, self.start, self.stop = items, start, stop
+
+
+class _CopiedOnRead:
+    """A dataclass field that may be set to a ListPrefix: reading it gives (and keeps) the copy."""
+
+    def __set_name__(self, owner, name):
+        self.attr = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            raise AttributeError   # tells the dataclass the field has no default
+        value = getattr(obj, self.attr)
+        if type(value) is ListPrefix:
+            value = value.items[value.start:value.stop]
+            setattr(obj, self.attr, value)
+        return value
+
+    def __set__(self, obj, value):
+        setattr(obj, self.attr, value)
+
+
 @dataclass
 class RequestOutput:
     """The state of one request after a step. `new_*` is what this step added."""
     request_id: str
     prompt_token_ids: list[int]      # shared by all outputs of the request: do not mutate
-    token_ids: list[int]            # all generated so far
+    token_ids: list[int] = _CopiedOnRead()  # all generated so far
     text: str                       # all generated text so far (stop string removed)
     new_token_ids: list[int]
     new_text: str
-    logprobs: list[dict[int, float]] | None  # per generated token so far: {token_id: logprob}, sampled one
-                                             # included; None unless the request asked for logprobs
+    logprobs: list[dict[int, float]] | None = _CopiedOnRead()  # per generated token so far:
+    # {token_id: logprob}, sampled one included; None unless the request asked for logprobs
     finished: bool
     finish_reason: str | None       # "stop" (EOS, stop string or stop token), "length", "abort", "error"
     metrics: RequestMetrics

@@ -29,23 +29,22 @@ class SchedulerOutput:
     num_tokens: list[int] = field(default_factory=list)      # tokens scheduled for each of `seqs`
     is_prefill: list[bool] = field(default_factory=list)     # the phase each was in when scheduled
     preempted: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0   # sums of num_tokens over the prefills and the decodes, kept by add()
+    num_decode_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(n for n, p in zip(self.num_tokens, self.is_prefill) if p)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(n for n, p in zip(self.num_tokens, self.is_prefill) if not p)
+        return self.num_prefill_tokens + self.num_decode_tokens
 
     def add(self, seq: Sequence, n: int):
+        prefill = seq.is_prefill
         self.seqs.append(seq)
         self.num_tokens.append(n)
-        self.is_prefill.append(seq.is_prefill)
+        self.is_prefill.append(prefill)
+        if prefill:
+            self.num_prefill_tokens += n
+        else:
+            self.num_decode_tokens += n
 
 
 class Scheduler:
@@ -70,33 +69,37 @@ class Scheduler:
         prefill_budget = None   # set when the first prefill is reached: decodes are all placed by then
         scheduled: set[int] = set()
         # Decodes first, so a long prompt never stalls them; then unfinished prefill chunks.
-        order = [s for s in self.running if not s.is_prefill] + [s for s in self.running if s.is_prefill]
-        for seq in order:
+        decodes, prefills = [], []
+        for seq in self.running:
+            (prefills if seq.is_prefill else decodes).append(seq)
+        running = SequenceStatus.RUNNING
+        for seq in decodes + prefills:
             if budget == 0:
                 break
-            if seq.status != SequenceStatus.RUNNING:   # preempted earlier in this loop
+            if seq.status != running:   # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.is_prefill:
+            prefill = seq.is_prefill
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if prefill:
                 if prefill_budget is None:
                     prefill_budget = self._prefill_budget(out, budget)
                 if prefill_budget == 0:
                     break
                 n = min(n, prefill_budget)
-            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            while not self.block_manager.try_allocate(seq, seq.num_computed_tokens + n):
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status != running:
                 continue
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            self._mark_scheduled(seq, now)
+            if prefill:   # (a running sequence's first_scheduled_time was set when it was admitted)
+                seq.metrics.num_prefill_steps += 1
             out.add(seq, n)
             scheduled.add(id(seq))
             budget -= n
-            if seq.is_prefill:
+            if prefill:
                 prefill_budget -= n
         # Admit waiting requests (preempted ones are at the front) while budget, seats and blocks last.
         # Not in a step that had to preempt: the cache is full, admitting would only thrash.
@@ -113,7 +116,9 @@ class Scheduler:
             seq.prefill_len = seq.num_tokens
             self.running.append(seq)
             self.block_manager.allocate(seq, n)
-            self._mark_scheduled(seq, now)
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+            seq.metrics.num_prefill_steps += 1
             out.add(seq, n)
             budget -= n
             prefill_budget -= n
@@ -125,12 +130,6 @@ class Scheduler:
         if cap and any(not p for p in out.is_prefill):
             return min(cap, budget)
         return budget
-
-    def _mark_scheduled(self, seq: Sequence, now: float):
-        if seq.metrics.first_scheduled_time is None:
-            seq.metrics.first_scheduled_time = now
-        if seq.is_prefill:
-            seq.metrics.num_prefill_steps += 1
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: free the blocks, requeue at the front; its tokens are kept."""

@@ -24,7 +24,7 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
         self.request_id = request_id
         self.seq_no = next(_counter)          # admission order tiebreak
-        self.token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)   # only ever appended to: outputs copy prefixes lazily
         self.prompt_token_ids = list(prompt_token_ids)   # every output shares this one copy
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -35,7 +35,11 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None  # appended to
+        # greedy with no penalty, min_tokens mask or logprobs: the sampler only takes the argmax
+        self.argmax_only = (params.greedy and params.logprobs is None and params.min_tokens == 0
+                            and params.repetition_penalty == 1.0 and not params.presence_penalty
+                            and not params.frequency_penalty)
         # per-request RNG: a seeded request samples the same tokens whatever else is in the batch
         self.generator: torch.Generator | None = None
         # set by the OutputProcessor: generated text so far, and how much of it was streamed

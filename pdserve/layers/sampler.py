@@ -9,6 +9,14 @@ import torch
 from pdserve.engine.sequence import Sequence
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (the first index of the maximum, a NaN counting as the maximum, as torch's).
+    On CPU numpy's vectorized argmax is ~10x faster than torch's (32 x 152k logits: 0.4 ms vs 4 ms)."""
+    if x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    return torch.from_numpy(x.numpy().argmax(axis=-1))
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int], device, seed: int = 0):
         self.eos_token_ids = eos_token_ids
@@ -19,18 +27,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: (len(seqs), V), modified in place (they are this step's scratch)."""
         logits = logits.float()
+        if all(s.argmax_only for s in seqs):
+            # The common batch (all greedy, nothing to apply, no logprobs) skips the per-sequence loops below.
+            tokens = logits.numpy().argmax(axis=-1) if logits.device.type == "cpu" else _argmax(logits)
+            return tokens.tolist(), [None] * len(seqs)
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         self._apply_penalties(logits, seqs)
         self._mask_min_tokens(logits, seqs)
 
-        tokens = logits.argmax(dim=-1)
+        tokens = _argmax(logits)
         sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sample_rows:
             rows = torch.tensor(sample_rows, device=logits.device)
             probs = self._filtered_probs(logits[rows], [seqs[i] for i in sample_rows])
             noise = torch.stack([self._exponential(seqs[i], probs.shape[-1]) for i in sample_rows])
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            tokens[rows] = _argmax(probs / noise)
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw_logprobs, seqs, token_list)
 

@@ -3,6 +3,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
 from tests.engine.helpers import corpus_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -112,6 +114,45 @@ def test_stream_deltas_add_up(path, prompts):
     assert len(finals) == 3
     for rid, out in finals.items():
         assert texts[rid] == out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_streamed_outputs_keep_their_own_tokens(path, prompts):
+    # Outputs hand out their token ids and logprobs as prefixes of the sequence's lists, copied
+    # when read: an output read after later steps still shows only what it had when made.
+    llm = LLM(path)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    outs = [o for o in llm.generate_stream(prompts[:2], params) if o.new_token_ids]
+    final = {o.request_id: o for o in outs if o.finished}
+    seen = {}
+    for o in outs:
+        seen[o.request_id] = seen.get(o.request_id, []) + o.new_token_ids
+        assert o.token_ids == seen[o.request_id] == final[o.request_id].token_ids[:len(o.token_ids)]
+        assert o.logprobs == final[o.request_id].logprobs[:len(o.token_ids)]
+        assert o.new_logprobs == o.logprobs[-len(o.new_token_ids):]
+
+
+def test_prepare_flattens_decodes_and_chunks_alike(path):
+    # prepare() takes a shortcut for one-token sequences (decodes, and a last one-token chunk):
+    # every row must be what the general rule gives, token ids[first:first + n] at positions
+    # first.. in the slots of the block table.
+    engine = LLMEngine(path, block_size=4)
+    bm, sched = engine.block_manager, SchedulerOutput()
+    for i, (length, first, n) in enumerate([(9, 8, 1), (14, 3, 6), (7, 0, 7), (11, 10, 1), (6, 5, 1)]):
+        seq = Sequence(str(i), list(range(20 + i, 20 + i + length)), GREEDY, 0.0)
+        seq.num_computed_tokens, seq.prefill_len = first, length if n > 1 else first
+        bm.allocate(seq, first + n)
+        sched.add(seq, n)
+    input_ids, positions, meta, logit_rows, sample_seqs = engine.runner.prepare(sched)
+    rows = [(seq, p) for seq, n in zip(sched.seqs, sched.num_tokens)
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n)]
+    assert input_ids.tolist() == [seq.token_ids[p] for seq, p in rows]
+    assert positions.tolist() == [p for _, p in rows]
+    assert meta.slot_mapping.tolist() == [bm.slot(seq, p) for seq, p in rows]
+    assert logit_rows == [0, 13, 14, 15] and sample_seqs == sched.seqs[:1] + sched.seqs[2:]
+    decodes = next(g for g in meta.groups if g.token_idx.shape[1] == 1 and g.q_lens is None)
+    assert decodes.token_idx[:, 0].tolist() == [0, 14, 15] and decodes.ctx_lens.tolist() == [9, 11, 6]
+    for seq in sched.seqs:
+        bm.free(seq)
 
 
 def test_kv_cache_sizing(path):

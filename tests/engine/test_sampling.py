@@ -77,6 +77,25 @@ def test_logprobs_are_raw_and_include_the_sampled_token():
     assert lps[0][2] == pytest.approx(ref[2].item())
 
 
+def test_greedy_fast_path_equals_the_general_path():
+    # A batch with nothing but greedy argmax skips the per-sequence steps; the same batch through
+    # the general path (any one request with a min_tokens to apply sends it there) picks the same
+    # tokens, and both pick torch.argmax's (first maximum; a NaN counts as the maximum).
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 3, (40, 200), generator=g).float()   # many ties
+    logits[3, 7] = logits[5, 0] = float("inf")
+    logits[4, 11] = logits[4, 50] = logits[6, 1] = float("nan")
+    logits[8] = float("-inf")
+    fast = [fake_seq(SamplingParams(temperature=0), output=[1] * 3) for _ in range(40)]
+    general = [fake_seq(SamplingParams(temperature=0), output=[1] * 3) for _ in range(39)]
+    general.append(fake_seq(SamplingParams(temperature=0, min_tokens=2), output=[1] * 3))
+    assert all(s.argmax_only for s in fast) and not general[-1].argmax_only
+    sampler = Sampler([EOS], "cpu")
+    tokens, lps = sampler(logits.clone(), fast)
+    assert tokens == sampler(logits.clone(), general)[0] == logits.argmax(dim=-1).tolist()
+    assert lps == [None] * 40
+
+
 @pytest.mark.parametrize("kwargs, param", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"), (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"),
