@@ -23,7 +23,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       const float* u = g + I;
       float* o = po + t * I;
       for (int64_t i = 0; i < I; i += 16) {
-        const __mmask16 m = I - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (I - i)) - 1);
+        const __mmask16 m = pdserve::lanes(I - i);
         const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
         // silu(g) = g / (1 + exp(-g))
         const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), pdserve::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));

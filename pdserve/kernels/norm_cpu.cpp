@@ -4,14 +4,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "vec512.h"
 #include <cmath>
 
 namespace {
 
+using pdserve::lanes;
+
 constexpr int64_t kMinParallelBytes = 256 << 10;   // smaller: one thread (see linear_cpu.cpp)
 
-// mask of the first n (< 16) lanes; all 16 when n >= 16
-inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
 // y = w * x / sqrt(mean(x^2) + eps) for one row of n; with add, x is first replaced by x + r
 // (written back to r: the residual stream), and the norm is taken of that sum.

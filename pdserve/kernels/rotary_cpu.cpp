@@ -5,10 +5,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "vec512.h"
 
 namespace {
 
-inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+using pdserve::lanes;
+
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kRound); }
 inline __m512 add(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, kRound); }

@@ -5,6 +5,9 @@
 
 namespace pdserve {
 
+// mask of the first n lanes of a 16-lane vector (all 16 when n >= 16): a row's tail
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
 template <typename T> inline __m512 load16(const T* p);
 template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
 template <> inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {

@@ -29,8 +29,7 @@ class Sampler:
         logits = logits.float()
         if all(s.argmax_only for s in seqs):
             # The common batch (all greedy, nothing to apply, no logprobs) skips the per-sequence loops below.
-            tokens = logits.numpy().argmax(axis=-1) if logits.device.type == "cpu" else _argmax(logits)
-            return tokens.tolist(), [None] * len(seqs)
+            return _argmax(logits).tolist(), [None] * len(seqs)
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         self._apply_penalties(logits, seqs)

@@ -1,4 +1,4 @@
-"""The CPU silu-and-mul kernel equals torch's silu(gate) * up, and the runner switches it on."""
+"""The CPU silu-and-mul kernel equals torch's silu(gate) * up (the runner switches it on: test_packed_linear.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,13 +23,3 @@ def test_kernel_equals_torch(shape):
     torch.testing.assert_close(want, F.silu(gate) * up)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-
-
-def test_runner_switches_it_on_with_the_kernels(tiny_llama):
-    from pdserve.engine.llm_engine import LLMEngine
-    on = LLMEngine(tiny_llama, num_kv_blocks=8)
-    off = LLMEngine(tiny_llama, num_kv_blocks=8, cpu_kernels=False)
-    def acts(e):
-        return [m.use_kernel for m in e.runner.model.modules() if isinstance(m, SiluAndMul)]
-    assert acts(on) and all(acts(on))
-    assert acts(off) and not any(acts(off))

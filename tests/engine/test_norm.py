@@ -1,4 +1,4 @@
-"""The CPU RMSNorm kernels equal torch's add + rms_norm, and the runner switches them on."""
+"""The CPU RMSNorm kernels equal torch's add + rms_norm (the runner switches them on: test_packed_linear.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,13 +47,3 @@ def test_strided_input_is_copied_not_misread():
     torch_norm, kernel_norm = norms(64)
     x = torch.randn(64, 7).t()   # (7, 64), not contiguous
     torch.testing.assert_close(kernel_norm(x), torch_norm(x), rtol=1e-5, atol=1e-5)
-
-
-def test_runner_switches_it_on_with_the_kernels(tiny_llama):
-    from pdserve.engine.llm_engine import LLMEngine
-    on = LLMEngine(tiny_llama, num_kv_blocks=8)
-    off = LLMEngine(tiny_llama, num_kv_blocks=8, cpu_kernels=False)
-    def flags(e):
-        return [m.use_kernel for m in e.runner.model.modules() if isinstance(m, RMSNorm)]
-    assert flags(on) and all(flags(on))
-    assert flags(off) and not any(flags(off))

@@ -7,7 +7,10 @@ import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
+from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.packed_linear import PackedLinear, TiedPackedEmbedding
+from pdserve.layers.rotary import RotaryEmbedding
 from tests.engine.helpers import corpus_prompts, tokens_before_divergence
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="packed kernel not buildable here (no AVX-512)")
@@ -94,6 +97,20 @@ def test_engine_packs_by_default_on_cpu_and_can_opt_out(tiny_qwen2):
     assert [o.token_ids for o in packed.generate(prompts, params)] == \
         [o.token_ids for o in plain.generate(prompts, params)]
 
+
+
+def test_runner_switches_the_layer_kernels_on_with_the_linear_kernel(tiny_llama):
+    """SwiGLU, add + RMSNorm and RoPE run on their kernels exactly when the linears are packed."""
+    from pdserve.engine.llm_engine import LLMEngine
+    on = LLMEngine(tiny_llama, num_kv_blocks=8)
+    off = LLMEngine(tiny_llama, num_kv_blocks=8, cpu_kernels=False)
+    def flags(e, kind):
+        return [m.use_kernel for m in e.runner.model.modules() if isinstance(m, kind)]
+    for kind in (SiluAndMul, RMSNorm):
+        assert flags(on, kind) and all(flags(on, kind))
+        assert flags(off, kind) and not any(flags(off, kind))
+    assert flags(on, RotaryEmbedding) == [True]
+    assert flags(off, RotaryEmbedding) == [False]
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
 def test_int8_close_to_fp32(make_tiny, arch):

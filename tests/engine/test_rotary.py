@@ -1,5 +1,5 @@
-"""The CPU rotary kernel rotates q and k in place exactly as torch's ops do, and the runner
-switches it on."""
+"""The CPU rotary kernel rotates q and k in place exactly as torch's ops do (the runner switches
+it on: test_packed_linear.py)."""
 import pytest
 import torch
 
@@ -36,13 +36,3 @@ def test_lookup_asks_for_the_kernel_only_in_fp32():
     positions = torch.arange(4)
     assert rotary.lookup(positions, torch.float32).kernel
     assert not rotary.lookup(positions, torch.bfloat16).kernel
-
-
-def test_runner_switches_it_on_with_the_kernels(tiny_llama):
-    from pdserve.engine.llm_engine import LLMEngine
-    on = LLMEngine(tiny_llama, num_kv_blocks=8)
-    off = LLMEngine(tiny_llama, num_kv_blocks=8, cpu_kernels=False)
-    def flags(e):
-        return [m.use_kernel for m in e.runner.model.modules() if isinstance(m, RotaryEmbedding)]
-    assert flags(on) == [True]
-    assert flags(off) == [False]
