@@ -5,16 +5,23 @@ also read in place), activation_cpu.cpp (SwiGLU's silu(gate) * up in one pass), 
 (RMSNorm, fused with the residual add before it) and rotary_cpu.cpp (RoPE on q and k in place).
 
 Built on first use with torch's C++ extension loader (needs a C++ compiler; the build is cached
-under ~/.cache/torch_extensions). Where it cannot be built (no compiler, no AVX-512) the engine
-keeps torch's own ops and says so once."""
+under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR, in a directory named after a hash of the
+sources, the header and the flags: two checkouts with different kernels never rebuild each other's,
+and an edit to vec512.h alone gets a fresh build). Where it cannot be built (no compiler, no
+AVX-512) the engine keeps torch's own ops and says so once."""
+import fcntl
 import functools
+import hashlib
 import logging
 import os
+import sys
 
 log = logging.getLogger("pdserve")
 _DIR = os.path.dirname(__file__)
 SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "attention_cpu.cpp", "prefill_attention_cpu.cpp",
                                            "activation_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp")]
+HEADERS = [os.path.join(_DIR, "vec512.h")]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 
 @functools.cache   # asked once per linear layer at load
@@ -35,17 +42,57 @@ def cpu_supports_bf16_dot() -> bool:
     return "avx512_bf16" in _cpu_flags()
 
 
+def build_name() -> str:
+    """pdserve_cpu_ops_<hash of sources, header, flags and torch version>."""
+    import torch
+    h = hashlib.sha256(" ".join(CFLAGS + [torch.__version__]).encode())
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return "pdserve_cpu_ops_" + h.hexdigest()[:12]
+
+
+def build_directory(name: str) -> str:
+    from torch.utils.cpp_extension import get_default_build_root
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_cpu", name)   # torch's layout
+
+
+def load_cpu_ops():
+    """Build (or find) and import the extension.
+
+    torch's loader serialises builds with a `lock` file that a killed build leaves behind, and every
+    later load then waits on it forever, silently. We hold an flock (released by the kernel when its
+    process dies, however it dies) around torch's loader, so a `lock` we find while holding it is
+    always stale and is removed."""
+    from torch.utils.cpp_extension import load
+    name = build_name()
+    directory = build_directory(name)
+    os.makedirs(directory, exist_ok=True)
+    with open(directory + ".flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(directory, "lock")
+            if os.path.exists(stale):
+                log.warning("removing a stale build lock left by a killed build: %s", stale)
+                os.remove(stale)
+            if not os.path.exists(os.path.join(directory, name + ".so")):
+                log.info("compiling pdserve's CPU kernels once (about a minute) into %s", directory)
+            # -fopenmp: at::parallel_for runs on torch's OpenMP pool (the libgomp torch already loaded)
+            return load(name, SOURCES, extra_cflags=CFLAGS, extra_ldflags=["-lgomp"], build_directory=directory,
+                        verbose=False)
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 @functools.cache
 def cpu_ops():
     """The compiled extension, or None with the reason logged."""
     if not cpu_supports_avx512():
         log.warning("pdserve's CPU kernels need AVX-512; using torch's ops")
         return None
-    from torch.utils.cpp_extension import load
     try:
-        # -fopenmp: at::parallel_for runs on torch's OpenMP pool (the libgomp torch already loaded)
-        return load("pdserve_cpu_ops", SOURCES, extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"],
-                    extra_ldflags=["-lgomp"], verbose=False)
+        return load_cpu_ops()
     except Exception as e:  # compiler missing or failing: fall back, loudly
         msg = str(e).strip().splitlines()
         log.warning("could not build pdserve's CPU kernels (%s); using torch's ops", msg[-1] if msg else type(e).__name__)

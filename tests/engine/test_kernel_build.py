@@ -1,0 +1,41 @@
+"""The kernel build: named after its inputs, and never waiting on a lock a killed build left."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdserve import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.cpu_supports_avx512(), reason="the CPU kernels need AVX-512")
+
+
+def test_builds_here():
+    # This machine has AVX-512 and a compiler: a failed build is a failure, not a silent fallback.
+    assert kernels.cpu_ops() is not None
+
+
+def test_stale_lock_from_a_killed_build_is_removed():
+    kernels.cpu_ops()   # built and imported in this process
+    lock = os.path.join(kernels.build_directory(kernels.build_name()), "lock")
+    open(lock, "w").close()   # what torch's loader leaves when its build is killed
+    try:
+        # torch's loader alone would wait on this file forever
+        r = subprocess.run([sys.executable, "-c", "from pdserve.kernels import load_cpu_ops; load_cpu_ops()"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "stale build lock" in r.stderr
+        assert not os.path.exists(lock)
+    finally:
+        if os.path.exists(lock):
+            os.remove(lock)
+
+
+def test_build_name_covers_the_header(tmp_path, monkeypatch):
+    header = tmp_path / "vec512.h"
+    header.write_text("// one\n")
+    monkeypatch.setattr(kernels, "HEADERS", [str(header)])
+    before = kernels.build_name()
+    assert kernels.build_name() == before
+    header.write_text("// two\n")
+    assert kernels.build_name() != before
