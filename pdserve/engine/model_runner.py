@@ -9,6 +9,7 @@ from array import array
 
 import torch
 
+from pdserve import hugepages
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kernels import cpu_ops
@@ -81,8 +82,9 @@ class ModelRunner:
     def _allocate_kv_cache(self):
         m = self.model_config
         slots = self.num_blocks * self.block_size
-        self.kv_cache = torch.zeros(2, m.num_layers, slots, m.num_kv_heads, m.head_dim,
-                                    dtype=self.dtype, device=self.device)
+        # marked for huge pages before zeroing touches it (pdserve/hugepages.py; a no-op off CPU)
+        self.kv_cache = hugepages.empty(2, m.num_layers, slots, m.num_kv_heads, m.head_dim,
+                                        dtype=self.dtype, device=self.device).zero_()
         layers = [mod for mod in self.model.modules() if isinstance(mod, PagedAttention)]
         assert len(layers) == m.num_layers
         for i, layer in enumerate(layers):

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include "vec512.h"
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -53,13 +54,44 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
-// Ask for the next tile's cache rows while this one is computed: they sit in scattered blocks,
+// Ask for the next tile's cache slots while this one is computed: they sit in scattered blocks,
 // where the hardware prefetcher does not look ahead (n may be <= 0).
-template <int C, typename T>
-inline void prefetch_rows(const T* const* rows, int64_t n) {
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t off = 0; off < int64_t(16 * C * sizeof(T)); off += 64)
+    for (int64_t off = 0; off < bytes; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
+}
+
+// Heads per pass-2 chunk: 16 accumulators in registers.
+template <int C> constexpr int64_t kMaxHeads = 16 / C > 0 ? 16 / C : 1;
+
+// o[g] += sum_j s[g * ls + j] * v[j] for g < GN heads and j < nk value rows; o rows 16 C apart.
+template <typename T, int C, int GN>
+inline void weigh_values_n(const T* const* vrows, int64_t off, int64_t nk, const float* s, int64_t ls, float* o) {
+  __m512 acc[GN][C];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(o + (g * C + c) * 16);
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16<T>(vrows[j] + off + 16 * c);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 w = _mm512_set1_ps(s[g * ls + j]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (g * C + c) * 16, acc[g][c]);
+}
+
+// weigh_values_n with the head count a run-time value in 1..kMaxHeads<C>
+template <typename T, int C, int GN = kMaxHeads<C>>
+inline void weigh_values(int64_t gn, const T* const* vrows, int64_t off, int64_t nk, const float* s, int64_t ls,
+                         float* o) {
+  if constexpr (GN > 1) {
+    if (gn < GN) return weigh_values<T, C, GN - 1>(gn, vrows, off, nk, s, ls, o);
+  }
+  weigh_values_n<T, C, GN>(vrows, off, nk, s, ls, o);
 }
 
 // C = head_dim / 16 is a template argument so that q and the accumulators live in registers
@@ -68,69 +100,70 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
                  float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t nb, int64_t bs,
                  float scale, int64_t window) {
   const int64_t G = H / Hkv, row = Hkv * D;   // row: elements per cache slot
-  // one thread for small work (see linear_cpu.cpp): grain in (sequence, kv head) tasks
+  // A task is a sequence's KV heads, or a part of them when there are fewer sequences than threads
+  // to share: its keys and values are then read as whole contiguous slots, which the hardware
+  // prefetcher follows (a head's part of a slot is a strided read).
+  const int64_t parts = std::clamp<int64_t>((2 * at::get_num_threads() + B - 1) / B, 1, Hkv);
+  // one thread for small work (see linear_cpu.cpp)
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += ctx[b];
-  const int64_t bytes_per_task = std::max<int64_t>(1, total / B * 2 * D * int64_t(sizeof(T)));
+  const int64_t bytes_per_task = std::max<int64_t>(1, total / B * 2 * row / parts * int64_t(sizeof(T)));
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / bytes_per_task);
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, B * parts, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores, qs;
     std::vector<const T*> krows, vrows;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / Hkv, kvh = t % Hkv, n = ctx[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0, len = n - first;
+      const int64_t b = t / parts, h0 = t % parts * Hkv / parts, h1 = (t % parts + 1) * Hkv / parts, nh = h1 - h0;
+      const int64_t n = ctx[b], first = window > 0 ? std::max<int64_t>(0, n - window) : 0, len = n - first;
       const int64_t* table = tables + b * nb;
-      scores.resize(G * len);
-      // Visit the cached rows block by block: f(position - first, pointer to this head's row)
-      auto for_each_row = [&](const T* cache, auto&& f) {
-        for (int64_t blk = first / bs; blk * bs < n; ++blk) {
-          const T* base = cache + table[blk] * bs * row + kvh * D;
-          const int64_t lo = std::max(first, blk * bs), hi = std::min(n, blk * bs + bs);
-          for (int64_t p = lo; p < hi; ++p) f(p - first, base + (p - blk * bs) * row);
-        }
-      };
-      // Keys and values are visited 16 at a time, and each tile serves all G query heads while it
-      // is in L1: a K or V row is fetched from memory once per step, not once per query head.
+      const int64_t slot_bytes = nh * D * int64_t(sizeof(T));
+      // krows[i], vrows[i]: key and value i's slot, at KV head h0
       krows.resize(len);
       vrows.resize(len);
-      for_each_row(kc, [&](int64_t i, const T* k) { krows[i] = k; });
-      for_each_row(vc, [&](int64_t i, const T* v) { vrows[i] = v; });
-      qs.resize(G * D);
-      for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + kvh * G) * D + i] * scale;
-      // pass 1: scores q.k; 16 vectors of partial sums per head and tile, reduced together (no
-      // horizontal sum per key)
-      for (int64_t i0 = 0; i0 < len; i0 += 16) {
-        const int64_t nk = std::min<int64_t>(16, len - i0);   // a short tail repeats its last key
-        prefetch_rows<C>(krows.data() + i0 + 16, std::min<int64_t>(16, len - i0 - 16));
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 qv[C];
-          for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs.data() + g * D + 16 * c);
-          __m512 acc[16];
-          for (int j = 0; j < 16; ++j) {
-            const T* k = krows[i0 + std::min<int64_t>(j, nk - 1)];
-            acc[j] = _mm512_mul_ps(qv[0], load16<T>(k));
-            for (int c = 1; c < C; ++c) acc[j] = _mm512_fmadd_ps(qv[c], load16<T>(k + 16 * c), acc[j]);
-          }
-          _mm512_mask_storeu_ps(scores.data() + g * len + i0, static_cast<__mmask16>((1u << nk) - 1), sum16(acc));
+      for (int64_t blk = first / bs; blk * bs < n; ++blk) {
+        const int64_t base = table[blk] * bs * row + h0 * D;
+        const int64_t lo = std::max(first, blk * bs), hi = std::min(n, blk * bs + bs);
+        for (int64_t p = lo; p < hi; ++p) {
+          krows[p - first] = kc + base + (p - blk * bs) * row;
+          vrows[p - first] = vc + base + (p - blk * bs) * row;
         }
       }
-      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * len, len);
-      // pass 2: weighted sum of values, accumulated in the G output rows (contiguous) per tile
-      float* o = out + (b * H + kvh * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) o[i] = 0.f;
+      // query heads h0 * G .. h1 * G: a contiguous (nh * G, D) block of q and of out
+      scores.resize(nh * G * len);
+      qs.resize(nh * G * D);
+      for (int64_t i = 0; i < nh * G * D; ++i) qs[i] = q[(b * H + h0 * G) * D + i] * scale;
+      // pass 1: scores q.k, 16 keys at a time while they are in L1, for every query head; 16
+      // vectors of partial sums per head and tile, reduced together (no horizontal sum per key)
+      for (int64_t i0 = 0; i0 < len; i0 += 16) {
+        const int64_t nk = std::min<int64_t>(16, len - i0);   // a short tail repeats its last key
+        prefetch_rows(krows.data() + i0 + 16, std::min<int64_t>(16, len - i0 - 16), slot_bytes);
+        for (int64_t h = 0; h < nh; ++h) {
+          for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+            __m512 qv[C];
+            for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs.data() + g * D + 16 * c);
+            __m512 acc[16];
+            for (int j = 0; j < 16; ++j) {
+              const T* k = krows[i0 + std::min<int64_t>(j, nk - 1)] + h * D;
+              acc[j] = _mm512_mul_ps(qv[0], load16<T>(k));
+              for (int c = 1; c < C; ++c) acc[j] = _mm512_fmadd_ps(qv[c], load16<T>(k + 16 * c), acc[j]);
+            }
+            _mm512_mask_storeu_ps(scores.data() + g * len + i0, pdserve::lanes(nk), sum16(acc));
+          }
+        }
+      }
+      for (int64_t g = 0; g < nh * G; ++g) softmax(scores.data() + g * len, len);
+      // pass 2: weighted sum of values. Each value row is loaded once per tile and head chunk and
+      // feeds the accumulators of all the chunk's heads: GN x C independent FMA chains per key
+      // (one head's C chains alone wait on the FMA latency).
+      float* o = out + (b * H + h0 * G) * D;
+      for (int64_t i = 0; i < nh * G * D; ++i) o[i] = 0.f;
       for (int64_t i0 = 0; i0 < len; i0 += 16) {
         const int64_t nk = std::min<int64_t>(16, len - i0);
-        prefetch_rows<C>(vrows.data() + i0 + 16, std::min<int64_t>(16, len - i0 - 16));
-        for (int64_t g = 0; g < G; ++g) {
-          const float* sg = scores.data() + g * len + i0;
-          __m512 acc[C];
-          for (int c = 0; c < C; ++c) acc[c] = _mm512_loadu_ps(o + g * D + 16 * c);
-          for (int64_t j = 0; j < nk; ++j) {
-            const __m512 w = _mm512_set1_ps(sg[j]);
-            for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w, load16<T>(vrows[i0 + j] + 16 * c), acc[c]);
-          }
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + g * D + 16 * c, acc[c]);
-        }
+        prefetch_rows(vrows.data() + i0 + 16, std::min<int64_t>(16, len - i0 - 16), slot_bytes);
+        for (int64_t h = 0; h < nh; ++h)
+          for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeads<C>)
+            weigh_values<T, C>(std::min<int64_t>(kMaxHeads<C>, (h + 1) * G - g0), vrows.data() + i0, h * D, nk,
+                               scores.data() + g0 * len + i0, len, o + g0 * D);
       }
     }
   });

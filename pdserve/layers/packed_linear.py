@@ -10,6 +10,7 @@ dot products, twice the multiply-adds per instruction of fp32 FMAs."""
 import torch
 from torch import nn
 
+from pdserve import hugepages
 from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
 
 PANEL, TILE = 16, 64   # channels per panel; the kernel works on 4 panels at a time
@@ -28,8 +29,11 @@ def pack_weight(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
     elif fmt in ("bf16", "bf16x2"):
         w = w.to(torch.bfloat16)
     if fmt == "bf16x2":   # (panel, k pair, channel, 2): one 64-byte line holds 16 channels x 2 k
-        return w.view(n_pad // PANEL, PANEL, K // 2, 2).permute(0, 2, 1, 3).reshape(n_pad // PANEL, K // 2, 2 * PANEL).contiguous(), scale
-    return w.view(n_pad // PANEL, PANEL, K).transpose(1, 2).contiguous(), scale
+        src = w.view(n_pad // PANEL, PANEL, K // 2, 2).permute(0, 2, 1, 3).reshape(n_pad // PANEL, K // 2, 2 * PANEL)
+    else:
+        src = w.view(n_pad // PANEL, PANEL, K).transpose(1, 2)
+    # streamed once per decode step: on huge pages (pdserve/hugepages.py)
+    return hugepages.empty(src.shape, dtype=src.dtype).copy_(src), scale
 
 
 class PackedLinear(nn.Module):

@@ -1,0 +1,63 @@
+"""The packed weights and the KV cache are marked for huge pages (pdserve/hugepages.py)."""
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from pdserve import hugepages
+from pdserve.layers.packed_linear import pack_weight
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "none"
+    return text.split("[")[1].split("]")[0]
+
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() in ("never", "none"),
+                                reason="no transparent huge pages here")
+
+
+def _eligible(addr: int) -> bool:
+    """THPeligible of the mapping holding addr, from /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _middle(t: torch.Tensor) -> int:
+    return t.data_ptr() + t.numel() * t.element_size() // 2
+
+
+def test_empty_is_marked_and_plain_empty_is_not():
+    t = hugepages.empty(16 << 20, dtype=torch.uint8)
+    assert _eligible(_middle(t))
+    if _thp_mode() == "madvise":   # in "always" mode every mapping is eligible
+        assert not _eligible(_middle(torch.empty(16 << 20, dtype=torch.uint8)))
+
+
+def test_tensor_smaller_than_a_huge_page_is_left_alone():
+    assert not hugepages.advise_hugepages(torch.empty(1 << 20, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_packed_weights_are_marked(fmt):
+    w = nn.Linear(2048, 4096, bias=False).weight.detach()
+    packed, _ = pack_weight(w, fmt)
+    assert _eligible(_middle(packed))
+
+
+def test_kv_cache_is_marked_and_zeroed(tiny_llama):
+    from pdserve.engine.llm_engine import LLMEngine
+    cache = LLMEngine(tiny_llama, kv_cache_memory=32 << 20).runner.kv_cache
+    assert _eligible(_middle(cache))
+    assert not cache.any()
