@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pdserve import hugepages
 from pdserve.config import ModelConfig
 from pdserve.engine.args import add_engine_args, engine_kwargs
 from pdserve.engine.scheduler import SchedulerOutput
@@ -187,6 +188,23 @@ def engine_overhead(engine, batch: int, context: int, ids: list[int], steps: int
                 overhead_ms=(step - forward) * 1e3, overhead_pct=100 * (step - forward) / step)
 
 
+def side_by_side_read(engine, cost: StepCost, seqs: list[tuple[int, int]], ids: list[int], read_bytes: int,
+                      rounds: int) -> dict:
+    """A batch-1 decode step against the time to read its bytes at the bandwidth probed just before
+    it, round after round. This VM's bandwidth drifts by 1.6x within minutes (docs/BENCHMARKS.md):
+    a roof probed minutes before or after the step says little about the step's ratio to it."""
+    from pdserve.benchmarks import machine_limits
+    x = hugepages.empty(read_bytes // 4, dtype=torch.float32).fill_(1.0)
+    threads, rows = torch.get_num_threads(), []
+    for _ in range(rounds):
+        bw = max(machine_limits.read_bandwidth(x, threads, 2), machine_limits.kernel_gemv_bandwidth(x, 2))
+        step = statistics.median(time_step(engine, seqs, ids, 3)[0])
+        rows.append((bw, step, step / (cost.bytes / bw)))
+    bws, steps, ratios = zip(*rows)
+    return dict(batch=1, context=seqs[0][1], bytes=cost.bytes, rounds=rounds, bandwidth=list(bws), step_s=list(steps),
+                ratio=list(ratios), ratio_median=statistics.median(ratios))
+
+
 # --- one measured point, and what it says ---------------------------------------------------------
 
 def record(phase: str, batch: int, context: int, cost: StepCost, logit_rows: int, forward: list[float],
@@ -213,7 +231,8 @@ def find(recs: list[dict], phase: str, batch: int | None = None, context: int | 
     return [r for r in recs if r["phase"] == phase and batch in (None, r["batch"]) and context in (None, r["context"])]
 
 
-def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhead: dict | None) -> list[str]:
+def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhead: dict | None,
+             read: dict | None = None) -> list[str]:
     """Short statements computed from the measured points (each one only if its points exist)."""
     def get(phase, batch, context):
         return next(iter(find(recs, phase, batch, context)), None)
@@ -267,6 +286,12 @@ def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhe
     if ratios:
         out.append("nocache decode (re-runs the sequence per token) vs cached decode, batch 1: " +
                    ", ".join(f"context {c}: x{x:.1f}" for c, x in ratios))
+    if read:
+        r = read
+        out.append(f"decode batch 1, context {r['context']}, side by side with a read probe ({r['rounds']} rounds): "
+                   f"{r['ratio_median']:.2f}x the time to read its {r['bytes'] / 1e6:.0f} MB (rounds "
+                   f"{min(r['ratio']):.2f}-{max(r['ratio']):.2f}; probe {min(r['bandwidth']) / 1e9:.1f}-"
+                   f"{max(r['bandwidth']) / 1e9:.1f} GB/s, step {min(r['step_s']) * 1e3:.1f}-{max(r['step_s']) * 1e3:.1f} ms)")
     if overhead:
         o = overhead
         out.append(f"engine overhead, decode batch {o['batch']} at context {o['context']}: engine.step() "
@@ -352,6 +377,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for the probes and the engine (default: torch's own choice)")
     parser.add_argument("--overhead-batch", type=int, default=8, help="decode batch for the engine overhead")
+    parser.add_argument("--read-rounds", type=int, default=6,
+                        help="rounds of (read probe, batch-1 decode step) side by side at the smallest decode "
+                             "context: the step's ratio to the weight-read limit (0: skip)")
     parser.add_argument("--output", default=None, help="write all measurements as JSON to this file")
     parser.add_argument("--plot", default=None, help="write the roofline plot (PNG) to this file")
     add_engine_args(parser)
@@ -423,6 +451,11 @@ def run(args) -> int:
             print(f"  {phase} batch {b} context {c}: {statistics.median(timed[key][0]) * 1e3:.2f} ms",
                   file=sys.stderr, flush=True)
         measured.append((phase, b, c, step_cost(mc, seqs, rows), rows, *timed[key]))
+    read = None
+    batch1 = sorted(c for phase, b, c in points if (phase, b) == ("decode", 1))
+    if args.read_rounds and batch1:
+        seqs, rows = phase_steps("decode", 1, batch1[0])
+        read = side_by_side_read(engine, step_cost(mc, seqs, rows), seqs, ids, limits.read_bytes, args.read_rounds)
     overhead = None
     if ob * -(-(oc + om) // bm.block_size) <= bm.num_blocks:
         overhead = engine_overhead(engine, ob, oc, ids)
@@ -436,7 +469,7 @@ def run(args) -> int:
           f"ridge {peak / bw:.1f} FLOP/B")
     recs = [record(*m, peak, bw) for m in measured]
     print_table(recs)
-    notes = findings(recs, peak, bw, dtype, overhead)
+    notes = findings(recs, peak, bw, dtype, overhead, read)
     print("\nfindings (on a shared machine times are noisy):")
     for line in notes:
         print(f"  - {line}")
@@ -446,7 +479,7 @@ def run(args) -> int:
                            model=dict(path=args.model, architecture=engine.model_config.architecture, dtype=dtype,
                                       cost=asdict(mc), kv_bytes_per_token=mc.kv_bytes_per_token),
                            roof=dict(bandwidth=bw, peak_flops=peak, ridge=peak / bw),
-                           points=recs, overhead=overhead, findings=notes), f, indent=1)
+                           points=recs, overhead=overhead, side_by_side_read=read, findings=notes), f, indent=1)
         print(f"wrote {args.output}")
     if args.plot:
         plot(args.plot, recs, limits, dtype, engine.model_name)

@@ -125,3 +125,9 @@ def test_command_quick(tiny_qwen2, tmp_path):
         assert pre["flops_attn"] / c == pytest.approx(dec["flops_attn"] * (c + 1) / (2 * c), rel=1e-12)
     assert point("nocache", 1, 512)["flops"] == point("prefill", 1, 512)["flops"]
     assert data["overhead"]["step_ms"] >= data["overhead"]["forward_ms"] > 0
+    read = data["side_by_side_read"]
+    assert read["rounds"] == len(read["ratio"]) == len(read["bandwidth"]) == len(read["step_s"]) == 6
+    for bw, step, ratio in zip(read["bandwidth"], read["step_s"], read["ratio"]):
+        assert ratio == pytest.approx(step * bw / read["bytes"]) and ratio > 0
+    assert read["bytes"] == point("decode", 1, 128)["bytes"]
+    assert "side by side with a read probe" in proc.stdout
