@@ -188,21 +188,27 @@ def engine_overhead(engine, batch: int, context: int, ids: list[int], steps: int
                 overhead_ms=(step - forward) * 1e3, overhead_pct=100 * (step - forward) / step)
 
 
-def side_by_side_read(engine, cost: StepCost, seqs: list[tuple[int, int]], ids: list[int], read_bytes: int,
-                      rounds: int) -> dict:
-    """A batch-1 decode step against the time to read its bytes at the bandwidth probed just before
-    it, round after round. This VM's bandwidth drifts by 1.6x within minutes (docs/BENCHMARKS.md):
-    a roof probed minutes before or after the step says little about the step's ratio to it."""
+def side_by_side_read(engine, steps: dict[int, tuple[StepCost, list[tuple[int, int]]]], ids: list[int],
+                      read_bytes: int, rounds: int) -> dict:
+    """Small-batch decode steps against the time to read their bytes at the bandwidth probed just
+    before them, round after round. This VM's bandwidth drifts by 1.6x within minutes
+    (docs/BENCHMARKS.md): a roof probed minutes away from a step says little about its ratio to it.
+    steps: batch -> (its cost, its sequences)."""
     from pdserve.benchmarks import machine_limits
     x = hugepages.empty(read_bytes // 4, dtype=torch.float32).fill_(1.0)
-    threads, rows = torch.get_num_threads(), []
+    threads, bws = torch.get_num_threads(), []
+    out = {b: dict(bytes=cost.bytes, step_s=[], ratio=[]) for b, (cost, _) in steps.items()}
     for _ in range(rounds):
         bw = max(machine_limits.read_bandwidth(x, threads, 2), machine_limits.kernel_gemv_bandwidth(x, 2))
-        step = statistics.median(time_step(engine, seqs, ids, 3)[0])
-        rows.append((bw, step, step / (cost.bytes / bw)))
-    bws, steps, ratios = zip(*rows)
-    return dict(batch=1, context=seqs[0][1], bytes=cost.bytes, rounds=rounds, bandwidth=list(bws), step_s=list(steps),
-                ratio=list(ratios), ratio_median=statistics.median(ratios))
+        bws.append(bw)
+        for b, (cost, seqs) in steps.items():
+            t = statistics.median(time_step(engine, seqs, ids, 3)[0])
+            out[b]["step_s"].append(t)
+            out[b]["ratio"].append(t / (cost.bytes / bw))
+    for r in out.values():
+        r["ratio_median"] = statistics.median(r["ratio"])
+    context = next(iter(steps.values()))[1][0][1]
+    return dict(context=context, rounds=rounds, bandwidth=bws, batches={str(b): r for b, r in out.items()})
 
 
 # --- one measured point, and what it says ---------------------------------------------------------
@@ -286,12 +292,12 @@ def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhe
     if ratios:
         out.append("nocache decode (re-runs the sequence per token) vs cached decode, batch 1: " +
                    ", ".join(f"context {c}: x{x:.1f}" for c, x in ratios))
-    if read:
-        r = read
-        out.append(f"decode batch 1, context {r['context']}, side by side with a read probe ({r['rounds']} rounds): "
+    for b, r in (read or {}).get("batches", {}).items():
+        out.append(f"decode batch {b}, context {read['context']}, side by side with a read probe ({read['rounds']} "
+                   f"rounds, probe {min(read['bandwidth']) / 1e9:.1f}-{max(read['bandwidth']) / 1e9:.1f} GB/s): "
                    f"{r['ratio_median']:.2f}x the time to read its {r['bytes'] / 1e6:.0f} MB (rounds "
-                   f"{min(r['ratio']):.2f}-{max(r['ratio']):.2f}; probe {min(r['bandwidth']) / 1e9:.1f}-"
-                   f"{max(r['bandwidth']) / 1e9:.1f} GB/s, step {min(r['step_s']) * 1e3:.1f}-{max(r['step_s']) * 1e3:.1f} ms)")
+                   f"{min(r['ratio']):.2f}-{max(r['ratio']):.2f}; step {min(r['step_s']) * 1e3:.1f}-"
+                   f"{max(r['step_s']) * 1e3:.1f} ms)")
     if overhead:
         o = overhead
         out.append(f"engine overhead, decode batch {o['batch']} at context {o['context']}: engine.step() "
@@ -378,8 +384,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads for the probes and the engine (default: torch's own choice)")
     parser.add_argument("--overhead-batch", type=int, default=8, help="decode batch for the engine overhead")
     parser.add_argument("--read-rounds", type=int, default=6,
-                        help="rounds of (read probe, batch-1 decode step) side by side at the smallest decode "
-                             "context: the step's ratio to the weight-read limit (0: skip)")
+                        help="rounds of (read probe, decode steps of batch 1 and 4) side by side at the smallest "
+                             "decode context: each step's ratio to the time to read its bytes (0: skip)")
     parser.add_argument("--output", default=None, help="write all measurements as JSON to this file")
     parser.add_argument("--plot", default=None, help="write the roofline plot (PNG) to this file")
     add_engine_args(parser)
@@ -452,10 +458,12 @@ def run(args) -> int:
                   file=sys.stderr, flush=True)
         measured.append((phase, b, c, step_cost(mc, seqs, rows), rows, *timed[key]))
     read = None
-    batch1 = sorted(c for phase, b, c in points if (phase, b) == ("decode", 1))
-    if args.read_rounds and batch1:
-        seqs, rows = phase_steps("decode", 1, batch1[0])
-        read = side_by_side_read(engine, step_cost(mc, seqs, rows), seqs, ids, limits.read_bytes, args.read_rounds)
+    # the memory-bound decode points (batch 1 and 4) at the smallest decode context
+    small = sorted((c, b) for phase, b, c in points if phase == "decode" and b <= 4)
+    if args.read_rounds and small:
+        steps = {b: (step_cost(mc, *phase_steps("decode", b, c)), phase_steps("decode", b, c)[0])
+                 for c, b in small if c == small[0][0]}
+        read = side_by_side_read(engine, steps, ids, limits.read_bytes, args.read_rounds)
     overhead = None
     if ob * -(-(oc + om) // bm.block_size) <= bm.num_blocks:
         overhead = engine_overhead(engine, ob, oc, ids)

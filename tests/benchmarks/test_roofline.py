@@ -126,8 +126,10 @@ def test_command_quick(tiny_qwen2, tmp_path):
     assert point("nocache", 1, 512)["flops"] == point("prefill", 1, 512)["flops"]
     assert data["overhead"]["step_ms"] >= data["overhead"]["forward_ms"] > 0
     read = data["side_by_side_read"]
-    assert read["rounds"] == len(read["ratio"]) == len(read["bandwidth"]) == len(read["step_s"]) == 6
-    for bw, step, ratio in zip(read["bandwidth"], read["step_s"], read["ratio"]):
-        assert ratio == pytest.approx(step * bw / read["bytes"]) and ratio > 0
-    assert read["bytes"] == point("decode", 1, 128)["bytes"]
+    assert read["context"] == 128 and read["rounds"] == len(read["bandwidth"]) == 6
+    assert set(read["batches"]) == {"1", "4"}
+    for b, r in read["batches"].items():
+        assert r["bytes"] == point("decode", int(b), 128)["bytes"] and len(r["ratio"]) == len(r["step_s"]) == 6
+        for bw, step, ratio in zip(read["bandwidth"], r["step_s"], r["ratio"]):
+            assert ratio == pytest.approx(step * bw / r["bytes"]) and ratio > 0
     assert "side by side with a read probe" in proc.stdout
