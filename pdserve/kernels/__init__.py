@@ -2,7 +2,8 @@
 linear_cpu.cpp (linears on pre-packed weights), attention_cpu.cpp (decode attention read
 straight from the paged KV cache), prefill_attention_cpu.cpp (causal attention of prefill chunks,
 also read in place), activation_cpu.cpp (SwiGLU's silu(gate) * up in one pass), norm_cpu.cpp
-(RMSNorm, fused with the residual add before it) and rotary_cpu.cpp (RoPE on q and k in place).
+(RMSNorm, fused with the residual add before it) and rotary_cpu.cpp (RoPE on q and k in place);
+buffer_pool.cpp keeps the freed big outputs of the linears and SwiGLU for reuse.
 
 Built on first use with torch's C++ extension loader (needs a C++ compiler; the build is cached
 under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR, in a directory named after a hash of the
@@ -19,8 +20,8 @@ import sys
 log = logging.getLogger("pdserve")
 _DIR = os.path.dirname(__file__)
 SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "attention_cpu.cpp", "prefill_attention_cpu.cpp",
-                                           "activation_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp")]
-HEADERS = [os.path.join(_DIR, "vec512.h")]
+                                           "activation_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp", "buffer_pool.cpp")]
+HEADERS = [os.path.join(_DIR, f) for f in ("vec512.h", "buffer_pool.h")]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 

@@ -6,13 +6,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include "vec512.h"
+#include "buffer_pool.h"
 
 // x: (T, 2I) fp32 contiguous, gate = x[:, :I], up = x[:, I:]. Returns (T, I) fp32.
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 2 == 0,
               "x must be (T, 2I) fp32 contiguous");
   const int64_t T = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({T, I}, x.options());
+  auto out = pdserve::pooled_empty({T, I});
   const float* px = x.data_ptr<float>();
   float* po = out.data_ptr<float>();
   // rows per task: at least ~64K elements, so small batches stay on one thread

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include "vec512.h"
+#include "buffer_pool.h"
 #include <cstring>
 
 namespace {
@@ -146,7 +147,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.is_contiguous(), "bad packed weight");
   const int64_t M = x.size(0), K = x.size(1), Npad = packed.size(0) * PANEL;
   TORCH_CHECK(packed.size(1) == K && Npad % (PANEL * NP) == 0, "packed weight does not match x");
-  auto y = torch::empty({M, Npad}, x.options());
+  auto y = pdserve::pooled_empty({M, Npad});
   if (M == 0) return y;
   switch (packed.scalar_type()) {
     case at::kFloat:
@@ -172,7 +173,7 @@ torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed) {
               packed.is_contiguous(), "bad pair-packed weight");
   const int64_t M = x.size(0), K = x.size(1), Npad = packed.size(0) * PANEL;
   TORCH_CHECK(K % 2 == 0 && packed.size(1) * 2 == K && Npad % (PANEL * NP) == 0, "packed weight does not match x");
-  auto y = torch::empty({M, Npad}, x.options().dtype(at::kFloat));
+  auto y = pdserve::pooled_empty({M, Npad});
   if (M == 0) return y;
   linear_dp_impl(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
                  reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, y.data_ptr<float>());

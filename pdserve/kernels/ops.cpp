@@ -13,6 +13,7 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+namespace pdserve { int64_t pool_cached_bytes(); }
 
 // All release the GIL while they run, as torch's own ops do: the server's asyncio thread keeps
 // answering (/health, refusals, streaming) while the engine thread computes.
@@ -32,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows (norm_cpu.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual) (norm_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("pool_cached_bytes", &pdserve::pool_cached_bytes,
+        "bytes of freed big outputs the kernels keep for reuse (buffer_pool.cpp)");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE on q and k in place (rotary_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -34,6 +34,29 @@ def test_fp32_equals_linear(n_out, n_in, rows):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_big_outputs_come_from_the_pool_of_freed_buffers():
+    ops = cpu_ops()
+    lin = _linear(4096, 64, bias=False)
+    packed = PackedLinear(lin, "fp32")
+    x = torch.randn(777, 64)   # a 12.1 MiB output: pooled (8 MiB and more), in a 14 MiB block
+    want = F.linear(x, lin.weight)
+    y = packed(x)
+    cached = ops.pool_cached_bytes()
+    del y   # its buffer goes back to the pool instead of to the OS
+    assert ops.pool_cached_bytes() - cached == 14 << 20
+    for _ in range(3):   # and the next outputs reuse it: right values, nothing new cached
+        torch.testing.assert_close(packed(x), want, rtol=1e-5, atol=1e-5)
+        assert ops.pool_cached_bytes() == cached + (14 << 20)
+    act = ops.silu_and_mul(torch.randn(600, 2 * 4096))   # SwiGLU's 9.4 MiB output: pooled too
+    act_bytes, cached = act.numel() * 4, ops.pool_cached_bytes()
+    del act
+    assert ops.pool_cached_bytes() - cached >= act_bytes
+    small = packed(torch.randn(2, 64))   # 32 KiB: torch.empty's, not the pool's
+    cached = ops.pool_cached_bytes()
+    del small
+    assert ops.pool_cached_bytes() == cached
+
+
 def test_keeps_leading_dims_and_dtype():
     lin = _linear(128, 64, bias=False)
     x = torch.randn(3, 4, 64)
