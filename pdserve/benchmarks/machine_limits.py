@@ -69,6 +69,12 @@ def best_time(fn, repeats: int, warmup: int = 1) -> float:
     return best
 
 
+def probe_array(nbytes: int) -> torch.Tensor:
+    """The read probes' array: fp32 ones on huge pages, as the engine's weights and KV cache are
+    (the memory roof is the faster of the two page sizes)."""
+    return hugepages.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+
+
 def read_bandwidth(x: torch.Tensor, threads: int, repeats: int) -> float:
     """Bytes/s of summing `x` with `threads` threads; `x` must be far larger than the last-level cache."""
     old = torch.get_num_threads()
@@ -115,8 +121,7 @@ def measure(quick: bool, dtypes: list[str], repeats: int, log=print) -> MachineL
     read_bytes = (256 if quick else 1024) << 20
     n = 1024 if quick else 2048
     limits = MachineLimits(torch.get_num_threads(), read_bytes, gemm_n=n)
-    # on huge pages, as the engine's weights and KV cache are: the roof is the faster of the two
-    x = hugepages.empty(read_bytes // 4, dtype=torch.float32).fill_(1.0)
+    x = probe_array(read_bytes)
     for t in range(1, limits.threads + 1):
         limits.read_bandwidth[t] = read_bandwidth(x, t, repeats)
         log(f"  read {read_bytes >> 20} MiB with {t} thread(s): {limits.read_bandwidth[t] / 1e9:.1f} GB/s")

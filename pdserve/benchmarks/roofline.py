@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve import hugepages
 from pdserve.config import ModelConfig
 from pdserve.engine.args import add_engine_args, engine_kwargs
 from pdserve.engine.scheduler import SchedulerOutput
@@ -195,7 +194,7 @@ def side_by_side_read(engine, steps: dict[int, tuple[StepCost, list[tuple[int, i
     (docs/BENCHMARKS.md): a roof probed minutes away from a step says little about its ratio to it.
     steps: batch -> (its cost, its sequences)."""
     from pdserve.benchmarks import machine_limits
-    x = hugepages.empty(read_bytes // 4, dtype=torch.float32).fill_(1.0)
+    x = machine_limits.probe_array(read_bytes)
     threads, bws = torch.get_num_threads(), []
     out = {b: dict(bytes=cost.bytes, step_s=[], ratio=[]) for b, (cost, _) in steps.items()}
     for _ in range(rounds):
@@ -461,8 +460,11 @@ def run(args) -> int:
     # the memory-bound decode points (batch 1 and 4) at the smallest decode context
     small = sorted((c, b) for phase, b, c in points if phase == "decode" and b <= 4)
     if args.read_rounds and small:
-        steps = {b: (step_cost(mc, *phase_steps("decode", b, c)), phase_steps("decode", b, c)[0])
-                 for c, b in small if c == small[0][0]}
+        steps = {}
+        for c, b in small:
+            if c == small[0][0]:
+                seqs, rows = phase_steps("decode", b, c)
+                steps[b] = (step_cost(mc, seqs, rows), seqs)
         read = side_by_side_read(engine, steps, ids, limits.read_bytes, args.read_rounds)
     overhead = None
     if ob * -(-(oc + om) // bm.block_size) <= bm.num_blocks:
