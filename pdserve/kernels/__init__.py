@@ -20,8 +20,9 @@ import sys
 log = logging.getLogger("pdserve")
 _DIR = os.path.dirname(__file__)
 SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "attention_cpu.cpp", "prefill_attention_cpu.cpp",
-                                           "activation_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp", "buffer_pool.cpp")]
-HEADERS = [os.path.join(_DIR, f) for f in ("vec512.h", "buffer_pool.h")]
+                                           "activation_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp", "buffer_pool.cpp",
+                                           "decoder_cpu.cpp")]
+HEADERS = [os.path.join(_DIR, f) for f in ("vec512.h", "buffer_pool.h", "decoder.h", "ops.h")]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 

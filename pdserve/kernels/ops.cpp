@@ -1,19 +1,7 @@
 // Python bindings of pdserve's CPU kernels (one extension, built on first use).
 #include <torch/extension.h>
-
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
-torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
-                                     double scale, int64_t sliding_window);
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                             torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens, torch::Tensor out,
-                             int64_t block_size, double scale, int64_t sliding_window);
-torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
-namespace pdserve { int64_t pool_cached_bytes(); }
+#include "decoder.h"
+#include "ops.h"
 
 // All release the GIL while they run, as torch's own ops do: the server's asyncio thread keeps
 // answering (/health, refusals, streaming) while the engine thread computes.
@@ -35,6 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("pool_cached_bytes", &pdserve::pool_cached_bytes,
         "bytes of freed big outputs the kernels keep for reuse (buffer_pool.cpp)");
+  py::class_<pdserve::LlamaStack>(m, "LlamaStack", "a Llama-family decoder stack in one call (decoder_cpu.cpp)")
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, int64_t, int64_t, int64_t, int64_t, double,
+                    double>())
+      .def("forward", &pdserve::LlamaStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE on q and k in place (rotary_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -8,7 +8,8 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.activation import SiluAndMul
-from pdserve.layers.attention import PagedAttention
+from pdserve.kernels import cpu_ops
+from pdserve.layers.attention import PagedAttention, get_attention_metadata
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
@@ -71,14 +72,46 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.stack = None   # the layers as one C++ call (use_stack)
+
+    def use_stack(self) -> None:
+        """Run the layers as one call of kernels/decoder_cpu.cpp: the same kernels in the same order,
+        without the Python between them. For fp32 activations, packed linears and the attention
+        kernels; the runner calls it once the KV cache is allocated (the stack holds its views)."""
+        def linear(m):
+            return [m.packed, m.scale, torch.empty(0) if m.bias is None else m.bias.detach()]
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append([layer.input_layernorm.weight.detach(), *linear(attn.qkv_proj), *linear(attn.o_proj),
+                           layer.post_attention_layernorm.weight.detach(), *linear(mlp.gate_up_proj),
+                           *linear(mlp.down_proj), attn.attn.k_cache, attn.attn.v_cache])
+        attn = self.layers[0].self_attn
+        self.stack = cpu_ops().LlamaStack(layers, self.norm.weight.detach(), attn.H, attn.Hkv, attn.D,
+                                          self.layers[0].mlp.down_proj.in_features, self.norm.eps, attn.attn.scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)   # once per forward, shared by every layer
+        if self.stack is not None:
+            return self._stack_forward(x.contiguous(), rope)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
         return self.norm(x, residual)[0]
+
+    def _stack_forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        meta = get_attention_metadata()
+        none = torch.empty(0, dtype=torch.long)
+        dec = next((g for g in meta.groups if g.q_lens is None), None)
+        pre = next((g for g in meta.groups if g.q_lens is not None), None)
+        window = meta.groups[0].sliding_window or 0
+        decode = (none, none.view(0, 0), none) if dec is None else (dec.token_idx[:, 0], dec.block_tables, dec.ctx_lens)
+        first_row = -1 if dec is None or dec.first_row is None else dec.first_row
+        prefill = ((none, none, none.view(0, 0), none) if pre is None else
+                   (pre.token_idx[:, 0], pre.q_lens, pre.block_tables, pre.ctx_lens))
+        return self.stack.forward(x, rope.cos, rope.sin, meta.slot_mapping, first_row, *decode, *prefill,
+                                  meta.groups[0].block_size, window)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,18 @@
+// The CPU kernels' entry points (each defined in its own *_cpu.cpp), for the bindings (ops.cpp)
+// and for the layer loop that calls them (decoder_cpu.cpp).
+#pragma once
+#include <torch/extension.h>
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
+torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed);
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
+                                     double scale, int64_t sliding_window);
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                             torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens, torch::Tensor out,
+                             int64_t block_size, double scale, int64_t sliding_window);
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+namespace pdserve { int64_t pool_cached_bytes(); }
