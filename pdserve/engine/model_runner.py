@@ -39,8 +39,7 @@ class ModelRunner:
         self.attention_kernels = self.weight_format != "torch" and model_config.head_dim in (16, 32, 64, 96, 128)
         self.num_blocks = self._num_blocks(max_model_len)
         self._allocate_kv_cache()
-        if self.attention_kernels and self.weight_format in ("fp32", "int8") and self.dtype == torch.float32 \
-                and isinstance(self.model, LlamaForCausalLM):
+        if self.attention_kernels and isinstance(self.model, LlamaForCausalLM):
             self.model.model.use_stack()   # the layers as one C++ call (kernels/decoder_cpu.cpp)
         self.sampler = Sampler(eos_token_ids, self.device, config.seed)
         self.sliding_window = model_config.sliding_window

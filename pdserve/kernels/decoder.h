@@ -6,7 +6,8 @@
 namespace pdserve {
 
 // Each layer's tensors, in this order (models/llama.py builds the lists). A linear is its packed
-// weight, its per-channel scale (empty unless int8) and its bias (empty if none).
+// weight, its per-channel scale (empty unless int8) and its bias (empty if none); norm weights and
+// biases are fp32, the caches fp32 or bf16.
 enum LayerTensor {
   kInputNorm, kQkv, kQkvScale, kQkvBias, kO, kOScale, kOBias, kPostNorm,
   kGateUp, kGateUpScale, kGateUpBias, kDown, kDownScale, kDownBias, kKeyCache, kValueCache,

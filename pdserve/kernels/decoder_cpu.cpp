@@ -3,6 +3,8 @@
 // without ~25 module calls and ~20 torch ops per layer between them, each run cold after the
 // weight stream has flushed the caches: ~10% of a batch-1 decode step of the 0.5B model. And the
 // whole forward runs without the GIL, so the server's event loop does not take turns with it.
+// Activations stay fp32 from the embedding to the final norm: a bf16 model keeps bf16 weights
+// (read by the AVX512-BF16 kernel, which takes bf16 rows) and a bf16 KV cache.
 #include <torch/extension.h>
 #include "decoder.h"
 #include "ops.h"
@@ -11,10 +13,11 @@ namespace pdserve {
 
 namespace {
 
-// A PackedLinear's forward (layers/packed_linear.py) for fp32 activations.
+// A PackedLinear's forward (layers/packed_linear.py) for fp32 activations: k-pair panels (32
+// wide) take the rows in bf16.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                      const torch::Tensor& bias, int64_t n) {
-  auto y = packed_linear(x, packed, scale);
+  auto y = packed.size(2) == 32 ? packed_linear_bf16_pairs(x.to(at::kBFloat16), packed) : packed_linear(x, packed, scale);
   if (y.size(1) != n) y = y.narrow(1, 0, n).contiguous();
   if (bias.numel()) y.add_(bias);
   return y;
@@ -56,8 +59,8 @@ torch::Tensor LlamaStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     // PagedAttention: write the new K/V to their slots, then decodes and prefill chunks
     auto& k_cache = w[kKeyCache];
     auto& v_cache = w[kValueCache];
-    k_cache.index_copy_(0, slot_mapping, k);
-    v_cache.index_copy_(0, slot_mapping, v);
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));   // fp32: no copy
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
     auto qf = q.contiguous();
     auto out = torch::empty({T, H, D}, x.options());
     if (num_decodes > 0) {

@@ -76,25 +76,26 @@ class LlamaModel(nn.Module):
 
     def use_stack(self) -> None:
         """Run the layers as one call of kernels/decoder_cpu.cpp: the same kernels in the same order,
-        without the Python between them. For fp32 activations, packed linears and the attention
-        kernels; the runner calls it once the KV cache is allocated (the stack holds its views)."""
+        without the Python between them. Needs packed linears and the attention kernels; the runner
+        calls it once the KV cache is allocated (the stack holds its views). Activations are fp32
+        throughout: with a bf16 model only the weights and the KV cache are bf16."""
         def linear(m):
-            return [m.packed, m.scale, torch.empty(0) if m.bias is None else m.bias.detach()]
+            return [m.packed, m.scale, torch.empty(0) if m.bias is None else m.bias.detach().float()]
         layers = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            layers.append([layer.input_layernorm.weight.detach(), *linear(attn.qkv_proj), *linear(attn.o_proj),
-                           layer.post_attention_layernorm.weight.detach(), *linear(mlp.gate_up_proj),
-                           *linear(mlp.down_proj), attn.attn.k_cache, attn.attn.v_cache])
+            layers.append([layer.input_layernorm.weight.detach().float(), *linear(attn.qkv_proj),
+                           *linear(attn.o_proj), layer.post_attention_layernorm.weight.detach().float(),
+                           *linear(mlp.gate_up_proj), *linear(mlp.down_proj), attn.attn.k_cache, attn.attn.v_cache])
         attn = self.layers[0].self_attn
-        self.stack = cpu_ops().LlamaStack(layers, self.norm.weight.detach(), attn.H, attn.Hkv, attn.D,
+        self.stack = cpu_ops().LlamaStack(layers, self.norm.weight.detach().float(), attn.H, attn.Hkv, attn.D,
                                           self.layers[0].mlp.down_proj.in_features, self.norm.eps, attn.attn.scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, x.dtype)   # once per forward, shared by every layer
         if self.stack is not None:
-            return self._stack_forward(x.contiguous(), rope)
+            return self._stack_forward(x.float().contiguous(), self.rotary.lookup(positions, torch.float32))
+        rope = self.rotary.lookup(positions, x.dtype)   # once per forward, shared by every layer
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
