@@ -99,3 +99,12 @@ def cpu_ops():
         msg = str(e).strip().splitlines()
         log.warning("could not build pdserve's CPU kernels (%s); using torch's ops", msg[-1] if msg else type(e).__name__)
         return None
+
+
+def pool_cached_bytes() -> int:
+    """Bytes of freed big kernel outputs the pool keeps for reuse (buffer_pool.cpp); 0 while the
+    kernels are not loaded (a metrics scrape must not build them)."""
+    if cpu_ops.cache_info().currsize == 0:
+        return 0
+    ops = cpu_ops()
+    return 0 if ops is None else ops.pool_cached_bytes()

@@ -11,6 +11,7 @@ import json
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
+from pdserve.kernels import pool_cached_bytes
 
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
@@ -54,6 +55,9 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests admitted but not yet scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
+        # read at each scrape: memory the CPU kernels keep besides weights and KV cache (up to 1 GiB)
+        gauge("cpu_kernel_pool_bytes", "Bytes of freed big kernel outputs kept for reuse.").set_function(
+            pool_cached_bytes)
         # per step
         self.step_prefill = hist("step_prefill_tokens", "Prefill tokens in one engine step.", TOKEN_BUCKETS)
         self.step_decode = hist("step_decode_tokens", "Decode tokens in one engine step.", TOKEN_BUCKETS)

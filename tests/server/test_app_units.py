@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from pdserve.server.app import build_app
@@ -72,3 +73,22 @@ def test_serve_help_explains_every_flag():
                  "--shutdown-timeout", "--log-level"):
         assert flag in out, flag
     assert "PDSERVE_API_KEY" in out and "127.0.0.1" in out
+
+
+def test_kernel_pool_bytes_exported_at_each_scrape():
+    from prometheus_client.parser import text_string_to_metric_families
+    from pdserve.kernels import cpu_ops, cpu_supports_avx512
+    from pdserve.server.metrics import ServerMetrics
+    if not cpu_supports_avx512():
+        pytest.skip("the CPU kernels need AVX-512")
+
+    def scraped(metrics) -> float:
+        families = text_string_to_metric_families(metrics.render().decode())
+        return next(s.value for f in families for s in f.samples if s.name == "pdserve:cpu_kernel_pool_bytes")
+
+    metrics, ops = ServerMetrics(), cpu_ops()
+    y = ops.silu_and_mul(torch.randn(600, 2 * 4096))   # a 9.4 MiB output: its buffer goes to the pool when freed
+    assert scraped(metrics) == ops.pool_cached_bytes()
+    size = y.numel() * 4
+    del y
+    assert scraped(metrics) == ops.pool_cached_bytes() >= size

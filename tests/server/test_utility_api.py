@@ -5,6 +5,7 @@ METRICS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "reques
            "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
            "request_decode_time_seconds", "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
            "request_success_total", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+           "cpu_kernel_pool_bytes",
            "step_prefill_tokens", "step_decode_tokens", "step_num_seqs"]
 
 
