@@ -22,10 +22,11 @@ class CountingStack:
     """Wraps the model's LlamaStack and counts its forwards: the test must not pass by not running it."""
 
     def __init__(self, stack):
-        self.stack, self.calls = stack, 0
+        self.stack, self.calls, self.first_rows = stack, 0, set()
 
     def forward(self, *args):
         self.calls += 1
+        self.first_rows.add(args[4])   # -1: one-token rows not all at the front (index path)
         return self.stack.forward(*args)
 
 
@@ -44,11 +45,13 @@ def test_stack_equals_modules(make_tiny, variant):
     prompts = corpus_prompts(llm.tokenizer, lens=[3, 70, 17, 1, 40])
     model.stack = CountingStack(model.stack)
     fused = generate(llm, prompts)
-    calls, stack = model.stack.calls, model.stack.stack
+    calls, first_rows, stack = model.stack.calls, model.stack.first_rows, model.stack.stack
     model.stack = None
     modules = generate(llm, prompts)
     model.stack = stack
     assert calls > 10
+    # decodes are rows 0.. (sliced), and a one-token prefill chunk after other chunks is indexed
+    assert {-1, 0} <= first_rows, first_rows
     assert fused == modules
     llm.engine.block_manager.check_all_free()
 
