@@ -20,7 +20,6 @@ from pdserve.layers.sampler import Sampler
 from pdserve.layers.packed_linear import pack_model
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.loader import embed_module_name, load_model
-from pdserve.models.llama import LlamaForCausalLM
 
 DEFAULT_KV_CACHE_CAP = 4 << 30  # bytes, when neither --num-kv-blocks nor --kv-cache-memory is given
 
@@ -39,8 +38,8 @@ class ModelRunner:
         self.attention_kernels = self.weight_format != "torch" and model_config.head_dim in (16, 32, 64, 96, 128)
         self.num_blocks = self._num_blocks(max_model_len)
         self._allocate_kv_cache()
-        if self.attention_kernels and isinstance(self.model, LlamaForCausalLM):
-            self.model.model.use_stack()   # the layers as one C++ call (kernels/decoder_cpu.cpp)
+        if self.attention_kernels:
+            self.model.use_stack()   # the layers as one C++ call (kernels/decoder_cpu.cpp)
         self.sampler = Sampler(eos_token_ids, self.device, config.seed)
         self.sliding_window = model_config.sliding_window
         self.last_forward_time = 0.0

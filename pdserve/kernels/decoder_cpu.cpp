@@ -1,10 +1,10 @@
-// The decoder stack of a Llama-family model (Llama, Qwen2, Mistral) for one engine step, in one call.
-// Why: the same kernels in the same order as the Python modules (pdserve/models/llama.py), but
-// without ~25 module calls and ~20 torch ops per layer between them, each run cold after the
-// weight stream has flushed the caches: ~10% of a batch-1 decode step of the 0.5B model. And the
-// whole forward runs without the GIL, so the server's event loop does not take turns with it.
-// Activations stay fp32 from the embedding to the final norm: a bf16 model keeps bf16 weights
-// (read by the AVX512-BF16 kernel, which takes bf16 rows) and a bf16 KV cache.
+// The decoder stacks of Llama-family models (Llama, Qwen2, Mistral) and OPT for one engine step,
+// each in one call. Why: the same kernels and ops in the same order as the Python modules
+// (pdserve/models/llama.py, opt.py), but without ~25 module calls and ~20 torch ops per layer
+// between them, each run cold after the weight stream has flushed the caches: ~10% of a batch-1
+// decode step of the 0.5B model. And the whole forward runs without the GIL, so the server's
+// event loop does not take turns with it. Activations stay fp32 throughout: a bf16 model keeps
+// bf16 weights (read by the AVX512-BF16 kernel, which takes bf16 rows) and a bf16 KV cache.
 #include <torch/extension.h>
 #include "decoder.h"
 #include "ops.h"
@@ -23,24 +23,56 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   return y;
 }
 
+// PagedAttention.forward (layers/attention.py) on the kernels: write this step's K/V to their
+// slots, then the decodes and the prefill chunks. q: (T, H, D), k, v: (T, Hkv, D). Returns (T, H * D).
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+                        torch::Tensor& v_cache, const AttentionStep& s, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), num_decodes = s.decode_tables.size(0);
+  k_cache.index_copy_(0, s.slot_mapping, k.to(k_cache.scalar_type()));   // fp32: no copy
+  v_cache.index_copy_(0, s.slot_mapping, v.to(v_cache.scalar_type()));
+  auto qf = q.contiguous();
+  auto out = torch::empty({T, H, D}, q.options());
+  if (num_decodes > 0) {
+    if (s.decode_first_row >= 0) {
+      out.narrow(0, s.decode_first_row, num_decodes)
+          .copy_(paged_decode_attention(qf.narrow(0, s.decode_first_row, num_decodes), k_cache, v_cache,
+                                        s.decode_tables, s.decode_ctx, s.block_size, scale, s.sliding_window));
+    } else {
+      out.index_copy_(0, s.decode_rows,
+                      paged_decode_attention(qf.index_select(0, s.decode_rows), k_cache, v_cache, s.decode_tables,
+                                             s.decode_ctx, s.block_size, scale, s.sliding_window));
+    }
+  }
+  if (s.prefill_q_lens.size(0) > 0)
+    paged_prefill_attention(qf, k_cache, v_cache, s.prefill_tables, s.prefill_starts, s.prefill_q_lens, s.prefill_ctx,
+                            out, s.block_size, scale, s.sliding_window);
+  return out.view({T, H * D});
+}
+
+void check_x(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (T, hidden) fp32");
+}
+
+void check_layers(const std::vector<std::vector<torch::Tensor>>& layers, size_t n) {
+  for (const auto& l : layers) TORCH_CHECK(l.size() == n, "each layer needs ", n, " tensors, got ", l.size());
+}
+
+std::optional<torch::Tensor> maybe(const torch::Tensor& t) {
+  return t.numel() ? std::optional<torch::Tensor>(t) : std::nullopt;
+}
+
 }  // namespace
 
 LlamaStack::LlamaStack(std::vector<std::vector<torch::Tensor>> layers, torch::Tensor final_norm, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), H_(num_heads), Hkv_(num_kv_heads),
       D_(head_dim), I_(intermediate_size), eps_(eps), scale_(scale) {
-  for (const auto& l : layers_)
-    TORCH_CHECK(l.size() == kTensorsPerLayer, "each layer needs ", kTensorsPerLayer, " tensors, got ", l.size());
+  check_layers(layers_, kLlamaTensors);
 }
 
-torch::Tensor LlamaStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                                  int64_t decode_first_row, torch::Tensor decode_rows, torch::Tensor decode_tables,
-                                  torch::Tensor decode_ctx, torch::Tensor prefill_starts, torch::Tensor prefill_q_lens,
-                                  torch::Tensor prefill_tables, torch::Tensor prefill_ctx, int64_t block_size,
-                                  int64_t sliding_window) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (T, hidden) fp32");
+torch::Tensor LlamaStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const AttentionStep& step) {
+  check_x(x);
   const int64_t T = x.size(0), H = H_, Hkv = Hkv_, D = D_, hidden = x.size(1);
-  const int64_t num_decodes = decode_tables.size(0);
   torch::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& w = layers_[i];
@@ -56,33 +88,44 @@ torch::Tensor LlamaStack::forward(torch::Tensor x, torch::Tensor cos, torch::Ten
     auto k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
     auto v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
     rotary_embedding(q, k, cos, sin);
-    // PagedAttention: write the new K/V to their slots, then decodes and prefill chunks
-    auto& k_cache = w[kKeyCache];
-    auto& v_cache = w[kValueCache];
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));   // fp32: no copy
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
-    auto qf = q.contiguous();
-    auto out = torch::empty({T, H, D}, x.options());
-    if (num_decodes > 0) {
-      if (decode_first_row >= 0) {
-        out.narrow(0, decode_first_row, num_decodes)
-            .copy_(paged_decode_attention(qf.narrow(0, decode_first_row, num_decodes), k_cache, v_cache,
-                                          decode_tables, decode_ctx, block_size, scale_, sliding_window));
-      } else {
-        out.index_copy_(0, decode_rows,
-                        paged_decode_attention(qf.index_select(0, decode_rows), k_cache, v_cache, decode_tables,
-                                               decode_ctx, block_size, scale_, sliding_window));
-      }
-    }
-    if (prefill_q_lens.size(0) > 0)
-      paged_prefill_attention(qf, k_cache, v_cache, prefill_tables, prefill_starts, prefill_q_lens, prefill_ctx, out,
-                              block_size, scale_, sliding_window);
-    auto o = linear(out.view({T, H * D}), w[kO], w[kOScale], w[kOBias], hidden);
+    auto o = linear(attention(q, k, v, w[kKeyCache], w[kValueCache], step, scale_), w[kO], w[kOScale], w[kOBias], hidden);
     fused_add_rms_norm(o, residual, w[kPostNorm], eps_);
     auto act = silu_and_mul(linear(o, w[kGateUp], w[kGateUpScale], w[kGateUpBias], 2 * I_));
     x = linear(act, w[kDown], w[kDownScale], w[kDownBias], hidden);
   }
   fused_add_rms_norm(x, residual, final_norm_, eps_);
+  return x;
+}
+
+OptStack::OptStack(std::vector<std::vector<torch::Tensor>> layers, int64_t num_heads, int64_t head_dim,
+                   int64_t ffn_dim, bool pre_layer_norm, std::string activation, double eps, double scale)
+    : layers_(std::move(layers)), H_(num_heads), D_(head_dim), F_(ffn_dim), pre_ln_(pre_layer_norm),
+      act_(std::move(activation)), eps_(eps), scale_(scale) {
+  check_layers(layers_, kOptTensors);
+  TORCH_CHECK(act_ == "relu" || act_ == "gelu" || act_ == "silu", "unsupported activation ", act_);
+}
+
+torch::Tensor OptStack::forward(torch::Tensor x, const AttentionStep& step) {
+  check_x(x);
+  const int64_t T = x.size(0), H = H_, D = D_, hidden = x.size(1);
+  for (auto& w : layers_) {
+    // OPTDecoderLayer: pre-LN (125m) norms before each block, post-LN (350m) after each residual add
+    auto norm = [&](const torch::Tensor& t, int weight, int bias) {
+      return at::layer_norm(t, {hidden}, maybe(w[weight]), maybe(w[bias]), eps_);
+    };
+    auto qkv = linear(pre_ln_ ? norm(x, kAttnNormW, kAttnNormB) : x, w[kOptQkv], w[kOptQkvScale], w[kOptQkvBias],
+                      3 * H * D);
+    auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
+    auto k = qkv.narrow(1, H * D, H * D).view({T, H, D});
+    auto v = qkv.narrow(1, 2 * H * D, H * D).view({T, H, D});
+    x = x + linear(attention(q, k, v, w[kOptKeyCache], w[kOptValueCache], step, scale_), w[kOut], w[kOutScale],
+                   w[kOutBias], hidden);
+    if (!pre_ln_) x = norm(x, kAttnNormW, kAttnNormB);
+    auto h = linear(pre_ln_ ? norm(x, kFinalNormW, kFinalNormB) : x, w[kFc1], w[kFc1Scale], w[kFc1Bias], F_);
+    h = act_ == "relu" ? at::relu(h) : act_ == "gelu" ? at::gelu(h) : at::silu(h);
+    x = x + linear(h, w[kFc2], w[kFc2Scale], w[kFc2Bias], hidden);
+    if (!pre_ln_) x = norm(x, kFinalNormW, kFinalNormB);
+  }
   return x;
 }
 

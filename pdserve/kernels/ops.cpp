@@ -23,10 +23,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("pool_cached_bytes", &pdserve::pool_cached_bytes,
         "bytes of freed big outputs the kernels keep for reuse (buffer_pool.cpp)");
+  py::class_<pdserve::AttentionStep>(m, "AttentionStep", "one step's paged-attention metadata (decoder.h)")
+      .def(py::init<torch::Tensor, int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                    torch::Tensor, torch::Tensor, int64_t, int64_t>())
+      .def_readonly("decode_first_row", &pdserve::AttentionStep::decode_first_row);
   py::class_<pdserve::LlamaStack>(m, "LlamaStack", "a Llama-family decoder stack in one call (decoder_cpu.cpp)")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, int64_t, int64_t, int64_t, int64_t, double,
                     double>())
       .def("forward", &pdserve::LlamaStack::forward, py::call_guard<py::gil_scoped_release>());
+  py::class_<pdserve::OptStack>(m, "OptStack", "an OPT decoder stack in one call (decoder_cpu.cpp)")
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, int64_t, int64_t, int64_t, bool, std::string, double,
+                    double>())
+      .def("forward", &pdserve::OptStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE on q and k in place (rotary_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -68,6 +68,20 @@ def get_attention_metadata() -> AttentionMetadata:
     return _CONTEXT
 
 
+def kernel_step(meta: AttentionMetadata):
+    """A forward's metadata (CPU kernel groups) as one C++ AttentionStep, for the decoder stacks
+    of kernels/decoder_cpu.cpp: decodes first (rows first_row.., or their indices), prefill chunks."""
+    none = torch.empty(0, dtype=torch.long)
+    dec = next((g for g in meta.groups if g.q_lens is None), None)
+    pre = next((g for g in meta.groups if g.q_lens is not None), None)
+    decode = (none, none.view(0, 0), none) if dec is None else (dec.token_idx[:, 0], dec.block_tables, dec.ctx_lens)
+    first_row = -1 if dec is None or dec.first_row is None else dec.first_row
+    prefill = ((none, none, none.view(0, 0), none) if pre is None else
+               (pre.token_idx[:, 0], pre.q_lens, pre.block_tables, pre.ctx_lens))
+    g = meta.groups[0]
+    return cpu_ops().AttentionStep(meta.slot_mapping, first_row, *decode, *prefill, g.block_size, g.sliding_window or 0)
+
+
 def build_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block_tables: list[list[int]],
                 block_size: int, sliding_window: int | None, device, with_mask: bool = True) -> AttentionGroup:
     """Gather indices and mask for sequences with `q_lens` queries starting at flat index `starts`,

@@ -58,6 +58,10 @@ class PackedLinear(nn.Module):
             y += self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def stack_tensors(self) -> list[torch.Tensor]:
+        """packed, scale and fp32 bias (empty: none), as the decoder stacks take a linear (kernels/decoder.h)."""
+        return [self.packed, self.scale, torch.empty(0) if self.bias is None else self.bias.detach().float()]
+
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows W[ids] (K each) read back from the packed layout: the tied input embedding."""
         if self.fmt == "bf16x2":

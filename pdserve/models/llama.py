@@ -9,7 +9,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.layers.activation import SiluAndMul
 from pdserve.kernels import cpu_ops
-from pdserve.layers.attention import PagedAttention, get_attention_metadata
+from pdserve.layers.attention import PagedAttention, get_attention_metadata, kernel_step
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
@@ -79,14 +79,13 @@ class LlamaModel(nn.Module):
         without the Python between them. Needs packed linears and the attention kernels; the runner
         calls it once the KV cache is allocated (the stack holds its views). Activations are fp32
         throughout: with a bf16 model only the weights and the KV cache are bf16."""
-        def linear(m):
-            return [m.packed, m.scale, torch.empty(0) if m.bias is None else m.bias.detach().float()]
         layers = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            layers.append([layer.input_layernorm.weight.detach().float(), *linear(attn.qkv_proj),
-                           *linear(attn.o_proj), layer.post_attention_layernorm.weight.detach().float(),
-                           *linear(mlp.gate_up_proj), *linear(mlp.down_proj), attn.attn.k_cache, attn.attn.v_cache])
+            layers.append([layer.input_layernorm.weight.detach().float(), *attn.qkv_proj.stack_tensors(),
+                           *attn.o_proj.stack_tensors(), layer.post_attention_layernorm.weight.detach().float(),
+                           *mlp.gate_up_proj.stack_tensors(), *mlp.down_proj.stack_tensors(), attn.attn.k_cache,
+                           attn.attn.v_cache])
         attn = self.layers[0].self_attn
         self.stack = cpu_ops().LlamaStack(layers, self.norm.weight.detach().float(), attn.H, attn.Hkv, attn.D,
                                           self.layers[0].mlp.down_proj.in_features, self.norm.eps, attn.attn.scale)
@@ -94,25 +93,13 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.stack is not None:
-            return self._stack_forward(x.float().contiguous(), self.rotary.lookup(positions, torch.float32))
+            rope = self.rotary.lookup(positions, torch.float32)
+            return self.stack.forward(x.float().contiguous(), rope.cos, rope.sin, kernel_step(get_attention_metadata()))
         rope = self.rotary.lookup(positions, x.dtype)   # once per forward, shared by every layer
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
         return self.norm(x, residual)[0]
-
-    def _stack_forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        meta = get_attention_metadata()
-        none = torch.empty(0, dtype=torch.long)
-        dec = next((g for g in meta.groups if g.q_lens is None), None)
-        pre = next((g for g in meta.groups if g.q_lens is not None), None)
-        window = meta.groups[0].sliding_window or 0
-        decode = (none, none.view(0, 0), none) if dec is None else (dec.token_idx[:, 0], dec.block_tables, dec.ctx_lens)
-        first_row = -1 if dec is None or dec.first_row is None else dec.first_row
-        prefill = ((none, none, none.view(0, 0), none) if pre is None else
-                   (pre.token_idx[:, 0], pre.q_lens, pre.block_tables, pre.ctx_lens))
-        return self.stack.forward(x, rope.cos, rope.sin, meta.slot_mapping, first_row, *decode, *prefill,
-                                  meta.groups[0].block_size, window)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,6 +117,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat batch of T tokens -> hidden states (T, hidden)."""
         return self.model(input_ids, positions)
+
+    def use_stack(self) -> None:
+        self.model.use_stack()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,4 +1,4 @@
-"""The decoder stack in one C++ call (kernels/decoder_cpu.cpp) computes exactly what the Python
+"""The decoder stacks in one C++ call (kernels/decoder_cpu.cpp) compute exactly what the Python
 modules compute: same kernels, same order, so every logprob is bitwise equal, in steps that mix
 decodes and prefill chunks. A bf16 model keeps fp32 activations in the stack (the modules run
 bf16 torch ops): there it must be at least as close to fp32 as the modules are."""
@@ -15,7 +15,16 @@ VARIANTS = {
     "qwen2-bias": ("qwen2", {}, {}),                    # q/k/v biases
     "mistral-window": ("mistral", {"sliding_window": 8}, {}),
     "llama-int8": ("llama", {}, {"quantization": "int8"}),
+    "opt": ("opt", {}, {}),                            # pre-LN
+    "opt-350m": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}, {}),   # post-LN, project in/out
+    "opt-gelu-no-affine": ("opt", {"activation_function": "gelu", "layer_norm_elementwise_affine": False}, {}),
 }
+
+
+def stack_owner(llm: LLM):
+    """The module whose `stack` runs the layers (set to None: the Python modules run them)."""
+    model = llm.engine.runner.model.model
+    return model.decoder if hasattr(model, "decoder") else model
 
 
 class CountingStack:
@@ -26,7 +35,7 @@ class CountingStack:
 
     def forward(self, *args):
         self.calls += 1
-        self.first_rows.add(args[4])   # -1: one-token rows not all at the front (index path)
+        self.first_rows.add(args[-1].decode_first_row)   # -1: one-token rows not all at the front (indexed)
         return self.stack.forward(*args)
 
 
@@ -40,7 +49,7 @@ def test_stack_equals_modules(make_tiny, variant):
     arch, overrides, engine_kwargs = VARIANTS[variant]
     # a small budget: long prompts are prefilled in chunks while the short ones decode
     llm = LLM(make_tiny(arch, **overrides), max_num_batched_tokens=48, max_num_seqs=8, **engine_kwargs)
-    model = llm.engine.runner.model.model
+    model = stack_owner(llm)
     assert model.stack is not None, "the runner did not switch the stack on"
     prompts = corpus_prompts(llm.tokenizer, lens=[3, 70, 17, 1, 40])
     model.stack = CountingStack(model.stack)
@@ -86,6 +95,6 @@ def test_bfloat16_stack_as_close_to_float32_as_modules(tiny_llama):
 
 
 def test_stack_off_where_kernels_do_not_apply(tiny_llama, tiny_opt):
-    assert LLM(tiny_llama, cpu_kernels=False).engine.runner.model.model.stack is None
-    assert LLM(tiny_llama, dtype="float16").engine.runner.model.model.stack is None
-    assert not hasattr(LLM(tiny_opt).engine.runner.model.model, "stack")   # OPT: the modules
+    assert stack_owner(LLM(tiny_llama, cpu_kernels=False)).stack is None
+    assert stack_owner(LLM(tiny_opt, cpu_kernels=False)).stack is None
+    assert stack_owner(LLM(tiny_llama, dtype="float16")).stack is None

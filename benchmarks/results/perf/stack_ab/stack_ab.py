@@ -3,7 +3,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
 model = sys.argv[1]; B = int(sys.argv[2]); rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 6
 eng = LLMEngine(model, dtype=sys.argv[5] if len(sys.argv) > 5 else "auto")
-m = eng.runner.model.model; stack = m.stack
+mm = eng.runner.model.model; m = mm.decoder if hasattr(mm, "decoder") else mm; stack = m.stack
 ids = list(range(10, 200))
 params = SamplingParams(max_tokens=int(sys.argv[4]) if len(sys.argv) > 4 else 2000, temperature=0, ignore_eos=True)
 for i in range(B): eng.add_request(f"p{i}", ids[:128], params)
