@@ -77,10 +77,11 @@ def logprob_error(outs, ref) -> float:
     return sum(diffs) / len(diffs)
 
 
-def test_bfloat16_stack_as_close_to_float32_as_modules(tiny_llama):
-    fp32 = LLM(tiny_llama, max_num_batched_tokens=48)
-    bf16 = LLM(tiny_llama, dtype="bfloat16", max_num_batched_tokens=48)
-    model = bf16.engine.runner.model.model
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_bfloat16_stack_as_close_to_float32_as_modules(make_tiny, arch):
+    fp32 = LLM(make_tiny(arch), max_num_batched_tokens=48)
+    bf16 = LLM(make_tiny(arch), dtype="bfloat16", max_num_batched_tokens=48)
+    model = stack_owner(bf16)
     assert model.stack is not None and bf16.engine.runner.kv_cache.dtype.itemsize == 2
     prompts = corpus_prompts(fp32.tokenizer, lens=[3, 70, 17, 1, 40])
     ref = generate(fp32, prompts)
