@@ -55,12 +55,15 @@ inline __m512 sum16(const __m512* v) {
 }
 
 // Ask for the next tile's cache slots while this one is computed: they sit in scattered blocks,
-// where the hardware prefetcher does not look ahead (n may be <= 0).
+// where the hardware prefetcher does not look ahead (n may be <= 0). Into L2, not L1 (T2, not T0):
+// an L1 prefetch holds one of the core's few L1 miss buffers until its line arrives, and the
+// prefetch instructions themselves stalled on them; through L2 more lines are in flight at once
+// (1.40-1.62x per call at batch 1-32 and context 256-1024, docs/BENCHMARKS.md).
 template <typename T>
 inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t off = 0; off < bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T2);
 }
 
 // Heads per pass-2 chunk: 16 accumulators in registers.
