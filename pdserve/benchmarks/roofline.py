@@ -460,11 +460,10 @@ def run(args) -> int:
     # the memory-bound decode points (batch 1 and 4) at the smallest decode context
     small = sorted((c, b) for phase, b, c in points if phase == "decode" and b <= 4)
     if args.read_rounds and small:
-        steps = {}
-        for c, b in small:
-            if c == small[0][0]:
-                seqs, rows = phase_steps("decode", b, c)
-                steps[b] = (step_cost(mc, seqs, rows), seqs)
+        context, steps = small[0][0], {}
+        for b in (b for c, b in small if c == context):
+            seqs, rows = phase_steps("decode", b, context)
+            steps[b] = (step_cost(mc, seqs, rows), seqs)
         read = side_by_side_read(engine, steps, ids, limits.read_bytes, args.read_rounds)
     overhead = None
     if ob * -(-(oc + om) // bm.block_size) <= bm.num_blocks:

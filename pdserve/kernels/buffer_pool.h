@@ -11,6 +11,6 @@ namespace pdserve {
 // activations in anew, a zero-filled 4 KiB page at a time (docs/BENCHMARKS.md).
 torch::Tensor pooled_empty(at::IntArrayRef sizes);
 
-int64_t pool_cached_bytes();   // bytes of free buffers the pool holds (for tests)
+int64_t pool_cached_bytes();   // bytes of free buffers the pool holds (tests, /metrics)
 
 }  // namespace pdserve

@@ -2,6 +2,7 @@
 // and for the layer loop that calls them (decoder_cpu.cpp).
 #pragma once
 #include <torch/extension.h>
+#include "buffer_pool.h"   // pool_cached_bytes
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
 torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed);
@@ -15,4 +16,3 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
-namespace pdserve { int64_t pool_cached_bytes(); }

@@ -28,7 +28,7 @@ def stack_owner(llm: LLM):
 
 
 class CountingStack:
-    """Wraps the model's LlamaStack and counts its forwards: the test must not pass by not running it."""
+    """Wraps the model's stack (LlamaStack or OptStack) and counts its forwards: the test must not pass by not running it."""
 
     def __init__(self, stack):
         self.stack, self.calls, self.first_rows = stack, 0, set()
@@ -90,7 +90,7 @@ def test_bfloat16_stack_as_close_to_float32_as_modules(make_tiny, arch):
     modules = generate(bf16, prompts)
     model.stack = stack
     stack_error, modules_error = logprob_error(stacked, ref), logprob_error(modules, ref)
-    # bf16 weights dominate both errors (0.13 and 0.15 here); a wrong cache conversion or a bf16
+    # bf16 weights dominate both errors (0.13 and 0.15 for the tiny Llama); a wrong cache conversion or a bf16
     # rounding inside the stack would put it well above the modules
     assert stack_error < modules_error, (stack_error, modules_error)
 
