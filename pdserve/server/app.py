@@ -4,13 +4,15 @@ import contextlib
 from fastapi import FastAPI
 
 from pdserve.server import openai_api, origin_api, utility_api
+from pdserve.server.async_engine import EngineThread
 from pdserve.server.errors import install_error_handlers
 from pdserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from pdserve.server.state import ServerConfig, ServerState
 
 
-def build_app(engine, config: ServerConfig) -> FastAPI:
-    state = ServerState(engine, config)
+def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:
+    """engine_thread: the thread that built the engine, to step it on (None: a new one)."""
+    state = ServerState(engine, config, engine_thread)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

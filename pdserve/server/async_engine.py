@@ -4,12 +4,16 @@ LLMEngine is not thread-safe, so handlers never touch it. They post "add" and "a
 commands to a queue that the engine thread drains between steps, and read outputs from one
 asyncio.Queue per HTTP request, which the engine thread feeds with loop.call_soon_threadsafe.
 Every live request, whatever endpoint it came through, is in every step.
+
+The thread that steps the engine is the one that built it (EngineThread): see there why.
 """
 import asyncio
 import collections
 import logging
+import queue
 import threading
 import time
+from concurrent.futures import Future, wait
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import RequestError
@@ -34,6 +38,38 @@ class StepFailed(APIError):
     def __init__(self):
         super().__init__(500, "the engine failed while generating this request (see the server log)",
                          type="server_error", code="engine_error")
+
+
+class EngineThread:
+    """One daemon thread that runs the calls it is given, in order: building the engine, then its loop.
+
+    Why one thread for both: OpenMP (torch's CPU ops and pdserve's kernels) gives every thread that
+    opens a parallel region a worker pool of its own. A model loaded on the main thread and stepped
+    on another leaves two pools; with more pool threads than cores libgomp stops spinning between
+    regions and puts its workers to sleep, so each of a step's hundreds of regions waits for a
+    wake-up: a 0.5B batch-32 decode step took 3-7% longer (docs/BENCHMARKS.md)."""
+
+    def __init__(self):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="pdserve-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        future = Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def call(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) on this thread; waits for it and returns (or raises) what it did."""
+        return self.submit(fn, *args, **kwargs).result()
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._calls.get()
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:   # handed to whoever waits on the future
+                future.set_exception(e)
 
 
 class Submission:
@@ -101,8 +137,10 @@ class Submission:
 
 
 class AsyncEngine:
-    def __init__(self, engine, max_waiting: int, metrics=None, request_timeout: float | None = None):
+    def __init__(self, engine, max_waiting: int, metrics=None, request_timeout: float | None = None,
+                 thread: EngineThread | None = None):
         self.engine = engine
+        self.thread = thread           # the one that built the engine; start() makes one if None
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout   # seconds from arrival; None = no limit
         self.metrics = metrics
@@ -118,26 +156,27 @@ class AsyncEngine:
         self._num_engine_waiting = 0
         self._subs: dict[str, Submission] = {}   # request id -> its Submission; loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._running: Future | None = None   # the engine loop, on self.thread
 
     # ---- lifecycle (called on the event loop)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
-        self._thread.start()
+        if self.thread is None:
+            self.thread = EngineThread()
+        self._running = self.thread.submit(self._run)
 
     def stop(self, timeout: float = 10.0) -> None:
         self.accepting = False
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._running is not None:
+            wait([self._running], timeout)
         self._fail_all(EngineDead("the server stopped"))
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return self._running is not None and not self._running.done() and self.error is None
 
     @property
     def num_waiting(self) -> int:

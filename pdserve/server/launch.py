@@ -103,19 +103,28 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run(args: argparse.Namespace) -> int:
+def build_engine(args: argparse.Namespace):
+    """The backend, built on the thread that will step it (async_engine.EngineThread says why)."""
     from pdserve.engine.llm_engine import LLMEngine   # heavy (torch): only when serving
+    from pdserve.server.async_engine import EngineThread
+
+    if args.backend == "engine":
+        cls, extra = LLMEngine, {}
+    else:
+        from pdserve.baselines import BACKENDS
+        cls = BACKENDS[args.backend]
+        extra = dict(batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms) if args.backend == "static" else {}
+    thread = EngineThread()
+    return thread.call(cls, **engine_kwargs(args), **extra), thread
+
+
+def run(args: argparse.Namespace) -> int:
     from pdserve.server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.backend == "engine":
-        engine = LLMEngine(**engine_kwargs(args))
-    else:
-        from pdserve.baselines import BACKENDS
-        extra = dict(batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms) if args.backend == "static" else {}
-        engine = BACKENDS[args.backend](**engine_kwargs(args), **extra)
+    engine, engine_thread = build_engine(args)
     config = server_config(args, engine.model_name)
-    app = build_app(engine, config)
+    app = build_app(engine, config, engine_thread)
     state = app.state.pdserve
 
     def stop_admitting():

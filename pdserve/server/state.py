@@ -8,7 +8,7 @@ from fastapi import Request
 
 from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.async_engine import AsyncEngine, Submission
+from pdserve.server.async_engine import AsyncEngine, EngineThread, Submission
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 
@@ -30,13 +30,14 @@ class ServerConfig:
 
 
 class ServerState:
-    def __init__(self, engine, config: ServerConfig):
+    def __init__(self, engine, config: ServerConfig, engine_thread: EngineThread | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.config = config
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(config.step_log)
-        self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout)
+        self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
+                                        engine_thread)
         self.created = int(time.time())
 
     # ---- checks
