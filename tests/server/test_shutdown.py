@@ -53,8 +53,13 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server, make_tin
         assert completed and events[-1] == "[DONE]"
         assert events[-2]["usage"]["completion_tokens"] == 200
         assert events[-3]["choices"][0]["finish_reason"] == "length"
+        # cancelled when the timeout expired: either the connection was cut, or the stream was told
+        # (whichever of uvicorn's task cancellation and the engine's stop reaches the handler first)
         cut_events, cut_completed = b.result()
-        assert not cut_completed and 0 < len(cut_events) < 16000
+        assert 0 < len(cut_events) < 16000
+        assert not any(e["choices"][0]["finish_reason"] for e in cut_events if isinstance(e, dict) and "choices" in e)
+        if cut_completed:
+            assert cut_events[-2]["error"]["code"] == "engine_dead" and cut_events[-1] == "[DONE]"
     assert server.proc.wait(30) == 0
     assert 2.5 < time.monotonic() - t0 < 20   # waited for the timeout, then cancelled the endless one
 
