@@ -9,6 +9,10 @@ Prompt = str | list[int]
 
 
 class LLM:
+    """Build it on the thread that calls it: each thread that runs OpenMP regions gets its own worker
+    pool, and more pool threads than cores make libgomp sleep between regions (server/async_engine.py:
+    EngineThread)."""
+
     def __init__(self, model: str, **engine_kwargs):
         self.engine = LLMEngine(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
