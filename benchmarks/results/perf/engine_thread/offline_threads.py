@@ -5,10 +5,10 @@ Prints the median batch-32 decode step. Usage: python offline_threads.py MODEL m
 import random
 import statistics
 import sys
-import threading
 
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
+from pdserve.server.async_engine import EngineThread
 
 
 def build():
@@ -31,15 +31,8 @@ def run(engine) -> list[float]:
     return steps
 
 
-def on_thread(fn, *args):
-    out = []
-    t = threading.Thread(target=lambda: out.append(fn(*args)))
-    t.start()
-    t.join()
-    return out[0]
-
-
 mode = sys.argv[2]
-engine = on_thread(build) if mode == "both" else build()
-steps = run(engine) if mode == "main" else on_thread(run, engine)
+other = EngineThread()   # the server's engine thread
+engine = other.call(build) if mode == "both" else build()
+steps = run(engine) if mode == "main" else other.call(run, engine)
 print(f"{mode}: batch-32 decode step, median of {len(steps)}: {1e3 * statistics.median(steps):.1f} ms")
