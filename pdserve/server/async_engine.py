@@ -34,6 +34,12 @@ class RequestTimeout(APIError):
                          type="server_error", code="request_timeout")
 
 
+class ShutdownTimeout(APIError):
+    def __init__(self, timeout: float):
+        super().__init__(503, f"the server shut down: the request did not finish within --shutdown-timeout "
+                              f"({timeout:g} s) and was aborted", type="server_error", code="shutdown_timeout")
+
+
 class StepFailed(APIError):
     def __init__(self):
         super().__init__(500, "the engine failed while generating this request (see the server log)",
@@ -173,6 +179,13 @@ class AsyncEngine:
         if self._running is not None:
             wait([self._running], timeout)
         self._fail_all(EngineDead("the server stopped"))
+
+    def end_unfinished(self, timeout: float) -> None:
+        """At the end of --shutdown-timeout: abort every request still running and end it with
+        ShutdownTimeout (a stream sends it as its last event), so no client is cut off unawares."""
+        for sub in set(self._subs.values()):
+            sub.cancel()
+        self._fail_all(ShutdownTimeout(timeout))
 
     @property
     def alive(self) -> bool:

@@ -2,9 +2,10 @@
 
 On the first SIGTERM/SIGINT the server stops admitting (new requests get 503, /health
 says so, the listening socket closes), lets running requests finish for up to
---shutdown-timeout seconds, cancels what is left, and exits 0.
+--shutdown-timeout seconds, ends what is left with a shutdown_timeout error, and exits 0.
 """
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="abort a request still unfinished this long after it arrived and free its KV blocks; "
                         "the client gets 504 request_timeout, or an error event in a stream (default: none)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM before they are cancelled "
+                   help="seconds running requests get to finish after SIGTERM before they are aborted "
                         "(default: %(default)s)")
     g.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per engine step (time, duration, prefill and decode tokens, "
@@ -92,15 +93,29 @@ def server_config(args: argparse.Namespace, model_name: str):
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, telling the app to stop admitting as soon as the signal arrives."""
+    """uvicorn's server, telling the engine when shutdown begins and when its time is up.
 
-    def __init__(self, config: uvicorn.Config, on_signal):
-        super().__init__(config)
-        self._on_signal = on_signal
+    On the signal the engine stops admitting. At --shutdown-timeout every request still running is
+    ended with an explicit shutdown_timeout error (a stream gets it as its last event, then
+    [DONE]); uvicorn's own timeout, FLUSH_S later, only cancels handlers that could not send it
+    (a stalled client)."""
+    FLUSH_S = 2.0
+
+    def __init__(self, app, async_engine, shutdown_timeout: float, **config):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + self.FLUSH_S, **config))
+        self.async_engine, self.shutdown_timeout = async_engine, shutdown_timeout
 
     def handle_exit(self, sig, frame):
-        self._on_signal()
+        self.async_engine.accepting = False
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None):
+        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self.async_engine.end_unfinished,
+                                                      self.shutdown_timeout)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def build_engine(args: argparse.Namespace):
@@ -125,13 +140,9 @@ def run(args: argparse.Namespace) -> int:
     engine, engine_thread = build_engine(args)
     config = server_config(args, engine.model_name)
     app = build_app(engine, config, engine_thread)
-    state = app.state.pdserve
 
-    def stop_admitting():
-        state.async_engine.accepting = False
-
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=args.shutdown_timeout), stop_admitting)
+    server = _Server(app, app.state.pdserve.async_engine, args.shutdown_timeout, host=args.host, port=args.port,
+                     log_level=args.log_level)
     # uvicorn re-raises the signal after its graceful shutdown, under the handlers that were there
     # before it; with these the re-raise is a no-op and we exit 0 instead of dying of SIGTERM.
     for sig in (signal.SIGTERM, signal.SIGINT):

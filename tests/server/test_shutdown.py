@@ -18,7 +18,7 @@ def stream_events(url: str, body: dict, started: cf.Future) -> tuple[list, bool]
                     if not started.done():
                         started.set_result(True)
         return events, True
-    except httpx.TransportError:   # cut off when the shutdown timeout expired
+    except httpx.TransportError:   # the connection was cut
         return events, False
 
 
@@ -34,10 +34,12 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server, make_tin
     short = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
              "stream_options": {"include_usage": True}}
     endless = {"prompt": "Far away", "max_tokens": 16000, "ignore_eos": True}   # far longer than the timeout
-    with cf.ThreadPoolExecutor(2) as pool:
+    with cf.ThreadPoolExecutor(3) as pool:
         started = [cf.Future(), cf.Future()]
-        a = pool.submit(stream_events, server.url, short, started[0])
         b = pool.submit(stream_events, server.url, endless, started[1])
+        c = pool.submit(httpx.post, server.url + "/v1/completions", json=endless, timeout=60)
+        server.wait_for(lambda m: m["pdserve:num_requests_running"] == 2)
+        a = pool.submit(stream_events, server.url, short, started[0])
         cf.wait(started, timeout=30)
         server.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
@@ -53,15 +55,17 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server, make_tin
         assert completed and events[-1] == "[DONE]"
         assert events[-2]["usage"]["completion_tokens"] == 200
         assert events[-3]["choices"][0]["finish_reason"] == "length"
-        # cancelled when the timeout expired: either the connection was cut, or the stream was told
-        # (whichever of uvicorn's task cancellation and the engine's stop reaches the handler first)
+        # ended when the timeout expired, and told why: the error event, then [DONE]
         cut_events, cut_completed = b.result()
-        assert 0 < len(cut_events) < 16000
-        assert not any(e["choices"][0]["finish_reason"] for e in cut_events if isinstance(e, dict) and "choices" in e)
-        if cut_completed:
-            assert cut_events[-2]["error"]["code"] == "engine_dead" and cut_events[-1] == "[DONE]"
+        assert cut_completed and cut_events[-1] == "[DONE]"
+        assert cut_events[-2]["error"]["code"] == "shutdown_timeout"
+        assert 0 < len(cut_events) - 2 < 16000
+        assert not any(e["choices"][0]["finish_reason"] for e in cut_events[:-2])
+        # a plain (non-streamed) request that outlasts the timeout gets the same error as a response
+        r = c.result()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutdown_timeout"
     assert server.proc.wait(30) == 0
-    assert 2.5 < time.monotonic() - t0 < 20   # waited for the timeout, then cancelled the endless one
+    assert 2.5 < time.monotonic() - t0 < 20   # waited for the timeout, then ended the endless ones
 
 
 def test_sigterm_under_load_finishes_every_admitted_stream(start_server, tiny_llama):
