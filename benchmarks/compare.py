@@ -139,6 +139,12 @@ def resolve_models(args) -> dict[str, str]:
 
 # ---------------------------------------------------------------- one system
 
+# The bench client opens a workload's first requests together, but they reach the server a few
+# ms apart: with no wait `static` starts a batch of whatever has arrived (once 1 of 4, then the
+# other 3 a whole generate() later), and its throughput depends on that race.
+STATIC_BATCH_WAIT_MS = 200
+
+
 def server_for(system: str, model_dir: str, name: str, peers_dir: str, log_dir: str,
                dry_run: bool = False) -> servers.Server:
     """The Server (not started) for `system`; installs or converts what a peer needs first
@@ -149,6 +155,8 @@ def server_for(system: str, model_dir: str, name: str, peers_dir: str, log_dir: 
     if system in OURS:
         cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--backend", system,
                "--port", str(port), "--max-model-len", str(ctx), "--log-level", "warning"]
+        if system == "static":   # see STATIC_BATCH_WAIT_MS
+            cmd += ["--batch-wait-ms", str(STATIC_BATCH_WAIT_MS)]
         return servers.Server(system, cmd, port, log_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     if system == "vllm":
         venv = peers.vllm_dir(peers_dir) if dry_run else peers.install_vllm(peers_dir)
@@ -433,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
                "loadavg_start": loadavg(), "models": models, "workloads": {}, "runs": [], "plots": {},
                "out_dir": args.out_dir, "summary_path": os.path.join(args.out_dir, "summary.json"),
                "log_dir": log_dir, "server_flags": {
-                   "pdserve": "pdserve serve --model M --backend B --max-model-len L (engine defaults)",
+                   "pdserve": "pdserve serve --model M --backend B --max-model-len L (engine defaults; "
+                              f"static: --batch-wait-ms {STATIC_BATCH_WAIT_MS})",
                    "vllm": "vllm serve M --dtype float32 --max-model-len L, VLLM_CPU_KVCACHE_SPACE=4, "
                            "OMP threads bound to all cores",
                    "llama-server": "llama-server -m M-f32.gguf -c 32*L -np 32 -kvu -t CORES -tb CORES"}}
