@@ -7,12 +7,14 @@ buffer_pool.cpp keeps the freed big outputs of the linears and SwiGLU for reuse.
 
 Built on first use with torch's C++ extension loader (needs a C++ compiler; the build is cached
 under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR, in a directory named after a hash of the
-sources, the header and the flags: two checkouts with different kernels never rebuild each other's,
-and an edit to vec512.h alone gets a fresh build). Where it cannot be built (no compiler, no
+sources, the headers, the flags and torch's version: two checkouts with different kernels never
+rebuild each other's, two with the same kernels share one build, and an edit to vec512.h alone gets
+a fresh build). Where it cannot be built (no compiler, no
 AVX-512) the engine keeps torch's own ops and says so once."""
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -78,13 +80,28 @@ def load_cpu_ops():
             if os.path.exists(stale):
                 log.warning("removing a stale build lock left by a killed build: %s", stale)
                 os.remove(stale)
-            if not os.path.exists(os.path.join(directory, name + ".so")):
+            built = os.path.join(directory, name + ".so")
+            if os.path.exists(built):
+                # Named after everything the build reads, so it is this very build, whichever checkout
+                # made it; torch's loader would compile it again when only the sources' path differs.
+                try:
+                    return _import_extension(name, built)
+                except ImportError as e:   # e.g. a link cut short: build again
+                    log.warning("rebuilding pdserve's CPU kernels: %s does not load (%s)", built, e)
+            else:
                 log.info("compiling pdserve's CPU kernels once (about a minute) into %s", directory)
             # -fopenmp: at::parallel_for runs on torch's OpenMP pool (the libgomp torch already loaded)
             return load(name, SOURCES, extra_cflags=CFLAGS, extra_ldflags=["-lgomp"], build_directory=directory,
                         verbose=False)
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
+
+
+def _import_extension(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache

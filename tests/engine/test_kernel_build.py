@@ -1,5 +1,6 @@
 """The kernel build: named after its inputs, and never waiting on a lock a killed build left."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -39,3 +40,21 @@ def test_build_name_covers_the_header(tmp_path, monkeypatch):
     assert kernels.build_name() == before
     header.write_text("// two\n")
     assert kernels.build_name() != before
+
+
+def test_a_checkout_elsewhere_with_the_same_kernels_reuses_the_build(tmp_path):
+    # Same sources at another path (a second clone, CI's clean clone): torch's loader alone would
+    # compile them again (its build file names the sources' paths) and the two would keep
+    # rebuilding each other's. pdserve imports the build its hash names instead.
+    kernels.cpu_ops()
+    built = os.path.join(kernels.build_directory(kernels.build_name()), kernels.build_name() + ".so")
+    before = os.stat(built).st_mtime_ns
+    package = os.path.dirname(os.path.dirname(kernels.__file__))
+    shutil.copytree(package, tmp_path / "pdserve", ignore=shutil.ignore_patterns("data", "__pycache__"))
+    code = ("import pdserve.kernels as k; assert k.__file__.startswith(%r), k.__file__; "
+            "print(k.build_name()); assert k.load_cpu_ops().packed_linear" % str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == kernels.build_name()
+    assert os.stat(built).st_mtime_ns == before   # not compiled again
