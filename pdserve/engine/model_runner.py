@@ -5,8 +5,6 @@ attention groups; execute() runs one forward under the attention context, comput
 for the sequences whose scheduled tokens reach their end (a finished prefill or a decode), and
 samples their next tokens."""
 import time
-from array import array
-
 import torch
 
 from pdserve import hugepages
@@ -14,7 +12,7 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kernels import cpu_ops
 from pdserve.layers.activation import SiluAndMul
-from pdserve.layers.attention import AttentionMetadata, PagedAttention, attention_context, build_group
+from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.sampler import Sampler
 from pdserve.layers.packed_linear import pack_model
@@ -118,15 +116,9 @@ class ModelRunner:
             if first + n == seq.num_tokens:   # all its tokens are cached after this step: sample
                 logit_rows.append(start + n - 1)
                 sample_seqs.append(seq)
-        dev = self.device
-        # One int64 buffer, one tensor split into three views: torch.tensor() on a list costs ~60 ns
-        # an element (array() ~15), and each torch call costs microseconds between two forwards.
-        flat = array("q", input_ids + positions + slots)
-        input_ids_t, positions_t, slots_t = torch.frombuffer(flat, dtype=torch.long).to(dev).split(len(slots))
-        meta = AttentionMetadata(
-            slot_mapping=slots_t,
-            groups=[build_group(*g, bs, self.sliding_window, dev, with_mask=not self.attention_kernels)
-                    for g in groups.values() if g[0]])
+        (input_ids_t, positions_t, _), meta = build_metadata(
+            [input_ids, positions, slots], [g for g in groups.values() if g[0]], bs, self.sliding_window,
+            self.device, with_mask=not self.attention_kernels)
         return input_ids_t, positions_t, meta, logit_rows, sample_seqs
 
     @torch.inference_mode()

@@ -36,8 +36,10 @@ class SchedulerOutput:
     def total_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
-    def add(self, seq: Sequence, n: int):
-        prefill = seq.is_prefill
+    def add(self, seq: Sequence, n: int, prefill: bool | None = None):
+        """prefill: the phase seq is in, when the caller knows it already."""
+        if prefill is None:
+            prefill = seq.is_prefill
         self.seqs.append(seq)
         self.num_tokens.append(n)
         self.is_prefill.append(prefill)
@@ -73,10 +75,11 @@ class Scheduler:
         for seq in self.running:
             (prefills if seq.is_prefill else decodes).append(seq)
         running = SequenceStatus.RUNNING
+        block_size = self.block_manager.block_size
         for seq in decodes + prefills:
             if budget == 0:
                 break
-            if seq.status != running:   # preempted earlier in this loop
+            if seq.status is not running:   # preempted earlier in this loop
                 continue
             prefill = seq.is_prefill
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
@@ -86,21 +89,23 @@ class Scheduler:
                 if prefill_budget == 0:
                     break
                 n = min(n, prefill_budget)
-            while not self.block_manager.try_allocate(seq, seq.num_computed_tokens + n):
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status != running:
-                continue
+            # Between two forwards this runs on cold caches (microseconds a call): the block manager
+            # only when the last block is full (for a decode, one step in block_size).
+            if seq.num_computed_tokens + n > len(seq.block_table) * block_size:
+                while not self.block_manager.try_allocate(seq, seq.num_computed_tokens + n):
+                    victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not running:
+                    continue
             if prefill:   # (a running sequence's first_scheduled_time was set when it was admitted)
                 seq.metrics.num_prefill_steps += 1
-            out.add(seq, n)
+                prefill_budget -= n
+            out.add(seq, n, prefill)
             scheduled.add(id(seq))
             budget -= n
-            if prefill:
-                prefill_budget -= n
         # Admit waiting requests (preempted ones are at the front) while budget, seats and blocks last.
         # Not in a step that had to preempt: the cache is full, admitting would only thrash.
         if prefill_budget is None:
@@ -119,7 +124,7 @@ class Scheduler:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
             seq.metrics.num_prefill_steps += 1
-            out.add(seq, n)
+            out.add(seq, n, True)
             budget -= n
             prefill_budget -= n
         return out

@@ -26,7 +26,7 @@ from pdserve.kernels import cpu_ops
 class AttentionGroup:
     """Sequences whose queries are padded to the same length for one SDPA call."""
     token_idx: torch.Tensor   # (B, Q) index of each query in the flat batch (padding repeats a valid one)
-    query_valid: torch.Tensor  # (B, Q) bool, False on padding
+    query_valid: torch.Tensor | None  # (B, Q) bool, False on padding (None for the CPU kernels: none)
     block_tables: torch.Tensor  # (B, ceil(K / block_size)) the blocks holding each sequence's keys (padding: 0)
     num_keys: int             # K: the longest context in the group
     block_size: int
@@ -82,29 +82,58 @@ def kernel_step(meta: AttentionMetadata):
     return cpu_ops().AttentionStep(meta.slot_mapping, first_row, *decode, *prefill, g.block_size, g.sliding_window or 0)
 
 
-def build_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block_tables: list[list[int]],
-                block_size: int, sliding_window: int | None, device, with_mask: bool = True) -> AttentionGroup:
-    """Gather indices and mask for sequences with `q_lens` queries starting at flat index `starts`,
-    whose cached context after this step is `ctx_lens` tokens long. The CPU kernels need no mask
-    and no padding (with_mask=False): that saves most of this function's time."""
-    B, Q, K = len(q_lens), max(q_lens), max(ctx_lens)
-    nb = (K + block_size - 1) // block_size
-    # All the integers in one int64 buffer, one tensor split into views: torch.tensor() on lists
-    # costs ~60 ns an element (a decode batch's nested tables: ~20 us), array() ~15, and between
-    # two forwards each torch call runs cold (several us; ~20 the first time a kind of op runs).
-    ints = q_lens + starts + ctx_lens
-    for t in block_tables:   # each table cut or padded with block 0 to nb blocks
+def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int, sliding_window: int | None,
+                   device, with_mask: bool = True) -> tuple[list[torch.Tensor], AttentionMetadata]:
+    """One step's attention metadata, and its per-token integer lists as tensors.
+
+    flat: per-token lists of the step (the runner's input ids, positions, slots), the last being
+    the slot mapping. groups: (q_lens, starts, ctx_lens, block_tables) of each group, whose sequences
+    have q_lens queries starting at flat index starts and a cached context of ctx_lens tokens after
+    this step. The CPU kernels need no mask and no padding (with_mask=False): then every integer of
+    the step goes into one int64 buffer, one tensor split into views. torch.tensor() on lists costs
+    ~60 ns an element (a decode batch's nested tables: ~20 us), array() ~15, and between two
+    forwards each torch call runs cold (several us; ~20 the first time a kind of op runs)."""
+    ints, sizes, layouts = [], [], []
+    for x in flat:
+        ints += x
+        sizes.append(len(x))
+    for q_lens, starts, ctx_lens, tables in ([] if with_mask else groups):
+        B, K = len(q_lens), max(ctx_lens)
+        nb = (K + block_size - 1) // block_size
+        ints += q_lens + starts + ctx_lens
+        _add_tables(ints, tables, nb)
+        sizes += [B, B, B, B * nb]
+        layouts.append((B, max(q_lens), K, nb, starts))
+    parts = torch.frombuffer(array("q", ints), dtype=torch.long).to(device).split(sizes)
+    tensors, it = parts[:len(flat)], iter(parts[len(flat):])
+    if with_mask:
+        built = [_masked_group(*g, block_size, sliding_window, device) for g in groups]
+    else:
+        built = []
+        for B, Q, K, nb, starts in layouts:
+            q_lens_t, starts_t, ctx_t, tables = next(it), next(it), next(it), next(it)
+            consecutive = Q == 1 and starts[-1] - starts[0] == B - 1
+            built.append(AttentionGroup(starts_t.view(B, 1), None, tables.view(B, nb), K, block_size, ctx_t,
+                                        sliding_window, None, q_lens_t if Q > 1 else None,
+                                        starts[0] if consecutive else None))
+    return list(tensors), AttentionMetadata(slot_mapping=tensors[-1], groups=built)
+
+
+def _add_tables(ints: list[int], tables: list[list[int]], nb: int) -> None:
+    for t in tables:   # each table cut or padded with block 0 to nb blocks
         ints += t[:nb]
         if len(t) < nb:
             ints += [0] * (nb - len(t))
-    ints_t = torch.frombuffer(array("q", ints), dtype=torch.long)
-    if not with_mask:
-        q_lens_t, starts_t, ctx_t, tables = ints_t.to(device).split([B, B, B, B * nb])
-        consecutive = Q == 1 and starts[-1] - starts[0] == B - 1
-        all_valid = torch.frombuffer(bytearray(b"\x01" * B), dtype=torch.bool).view(B, 1)
-        return AttentionGroup(starts_t.view(B, 1), all_valid.to(device), tables.view(B, nb), K, block_size, ctx_t,
-                              sliding_window, None, q_lens_t if Q > 1 else None, starts[0] if consecutive else None)
-    q_lens_t, starts_t, ctx_t, tables = ints_t.split([B, B, B, B * nb])
+
+
+def _masked_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block_tables: list[list[int]],
+                  block_size: int, sliding_window: int | None, device) -> AttentionGroup:
+    """Gather indices, padding and the causal mask, for one batched SDPA call."""
+    B, Q, K = len(q_lens), max(q_lens), max(ctx_lens)
+    nb = (K + block_size - 1) // block_size
+    ints = q_lens + starts + ctx_lens
+    _add_tables(ints, block_tables, nb)
+    q_lens_t, starts_t, ctx_t, tables = torch.frombuffer(array("q", ints), dtype=torch.long).split([B, B, B, B * nb])
     tables = tables.view(B, nb)
     q_off = torch.arange(Q)
     query_valid = q_off[None, :] < q_lens_t[:, None]

@@ -23,13 +23,18 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)  # for requests without a seed
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits: (len(seqs), V), modified in place (they are this step's scratch)."""
-        logits = logits.float()
+        """logits: (len(seqs), V), modified in place (they are this step's scratch), needing no grad:
+        callers run in inference mode (a no_grad decorator here costs 1.7 us warm, more between two
+        forwards, where this runs on cold caches)."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         if all(s.argmax_only for s in seqs):
-            # The common batch (all greedy, nothing to apply, no logprobs) skips the per-sequence loops below.
-            return _argmax(logits).tolist(), [None] * len(seqs)
+            # The common batch (all greedy, nothing to apply, no logprobs) skips the per-sequence loops
+            # below; on CPU _argmax's numpy indices go straight to a list (each torch call between
+            # two forwards runs cold: several us).
+            tokens = logits.numpy().argmax(axis=-1) if logits.device.type == "cpu" else logits.argmax(dim=-1)
+            return tokens.tolist(), [None] * len(seqs)
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         self._apply_penalties(logits, seqs)

@@ -4,7 +4,7 @@ import functools
 import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.layers.attention import AttentionMetadata, PagedAttention, attention_context, build_group
+from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling_params import SamplingParams
 
@@ -109,10 +109,9 @@ def attention_torch_and_kernels(H, Hkv, D, block_size, window, dtype, q_lens, ct
     groups = [[i for i, ql in enumerate(q_lens) if ql == 1], [i for i, ql in enumerate(q_lens) if ql > 1]]
 
     def run(with_mask):
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), groups=[
-            build_group([q_lens[i] for i in g], [starts[i] for i in g], [ctx_lens[i] for i in g],
-                        [tables[i] for i in g], block_size, window, "cpu", with_mask=with_mask)
-            for g in groups if g])
+        _, meta = build_metadata([slots], [([q_lens[i] for i in g], [starts[i] for i in g], [ctx_lens[i] for i in g],
+                                            [tables[i] for i in g]) for g in groups if g],
+                                 block_size, window, "cpu", with_mask=with_mask)
         # no mask is what sends a group to the kernels (the layer has no other path for it)
         assert all((g.mask is None) == (not with_mask) for g in meta.groups)
         with attention_context(meta):
