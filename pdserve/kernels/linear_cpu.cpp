@@ -12,6 +12,7 @@
 #include "vec512.h"
 #include "buffer_pool.h"
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -60,16 +61,17 @@ inline void micro(const float* x, int64_t ldx, const W* w, int64_t panel_stride,
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + j * PANEL, acc[m][j]);
 }
 
-template <typename W>
-void rows(int64_t mt, const float* x, int64_t ldx, const W* w, int64_t ps, float* y, int64_t ldy,
-          int64_t k0, int64_t k1, bool first, NextBlock& pf) {
+// f(std::integral_constant<int, MT>{}) for a row tile of mt = MT rows, 1 <= mt <= 6: the micro
+// kernels take MT as a template argument, so that their accumulators live in registers.
+template <typename F>
+inline void with_tile_height(int64_t mt, F&& f) {
   switch (mt) {
-    case 1: micro<W, 1>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-    case 2: micro<W, 2>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-    case 3: micro<W, 3>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-    case 4: micro<W, 4>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-    case 5: micro<W, 5>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-    default: micro<W, 6>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
   }
 }
 
@@ -118,8 +120,10 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad,
   const int64_t ps = K * PANEL;   // elements per panel
   for_each_tile(M, K, KB, Npad / (PANEL * NP), w, PANEL * int64_t(sizeof(W)),
                 [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1, NextBlock& pf) {
-                  rows<W>(mt, x + m * K, K, w + g * NP * ps, ps, y + m * Npad + g * NP * PANEL, Npad, k0, k1, k0 == 0,
-                          pf);
+                  with_tile_height(mt, [&](auto MT) {
+                    micro<W, MT>(x + m * K, K, w + g * NP * ps, ps, y + m * Npad + g * NP * PANEL, Npad, k0, k1,
+                                 k0 == 0, pf);
+                  });
                 });
 }
 
@@ -148,25 +152,15 @@ inline void micro_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + j * PANEL, acc[m][j]);
 }
 
-void rows_dp(int64_t mt, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ps, float* y, int64_t ldy,
-             int64_t k0, int64_t k1, bool first, NextBlock& pf) {
-  switch (mt) {
-    case 1: micro_dp<1>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-    case 2: micro_dp<2>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-    case 3: micro_dp<3>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-    case 4: micro_dp<4>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-    case 5: micro_dp<5>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-    default: micro_dp<6>(x, ldx, w, ps, y, ldy, k0, k1, first, pf); break;
-  }
-}
-
 // The same blocking as linear_impl, over k-pairs.
 void linear_dp_impl(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t Npad, float* y) {
   const int64_t ps = K * PANEL;   // elements per panel: K / 2 pairs of 2 x 16
   for_each_tile(M, K / 2, KB / 2, Npad / (PANEL * NP), w, 2 * PANEL * 2,
                 [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1, NextBlock& pf) {
-                  rows_dp(mt, x + m * K, K, w + g * NP * ps, ps, y + m * Npad + g * NP * PANEL, Npad, k0, k1, k0 == 0,
-                          pf);
+                  with_tile_height(mt, [&](auto MT) {
+                    micro_dp<MT>(x + m * K, K, w + g * NP * ps, ps, y + m * Npad + g * NP * PANEL, Npad, k0, k1,
+                                 k0 == 0, pf);
+                  });
                 });
 }
 
