@@ -28,9 +28,14 @@ using pdserve::load16;
 // prefetched into L2 a line per k-step during the later row tiles of the current block, so that
 // the first row tile of the next one finds it there instead of waiting on DRAM. Lines of panel j:
 // base + j * panel_bytes + i * 64, i < lines; tile t of T issues lines up to lines * NP * t / (T - 1).
+// With 2 or 3 row tiles (7-18 rows) there is too little compute after the first tile to spread a
+// whole block over, and instead each k-step of an fp32 tile asks for its panels' lines `ahead`
+// k-steps on: the first tile's stream runs ahead of its loads, and the later tiles start the next
+// k-block's stream before the next first tile needs it (16 rows 1.06-1.14x, perf/linear_labs/).
 struct NextBlock {
   const char* base = nullptr;
   int64_t panel_bytes = 0, lines = 0, next = 0, end = 0;
+  int64_t ahead = 0;
   inline void prefetch_one() {
     if (next < end) {
       _mm_prefetch(base + (next / lines) * panel_bytes + (next % lines) * 64, _MM_HINT_T2);
@@ -39,6 +44,7 @@ struct NextBlock {
   }
 };
 constexpr int64_t kMinPrefetchTiles = 4;   // from 19 rows; fewer: 0.98-1.0x at 16 rows, slower at 1
+constexpr int64_t kAheadSteps = 32;        // k-steps (2 KB of an fp32 panel), for 2-3 row tiles
 
 // MT rows x NP panels over k in [k0, k1); accumulates into y (row stride ldy) unless first.
 template <typename W, int MT>
@@ -50,6 +56,11 @@ inline void micro(const float* x, int64_t ldx, const W* w, int64_t panel_stride,
       acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + j * PANEL);
   for (int64_t k = k0; k < k1; ++k) {
     pf.prefetch_one();
+    if constexpr (std::is_same_v<W, float>) {
+      if (pf.ahead)
+        for (int j = 0; j < NP; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w + j * panel_stride + (k + pf.ahead) * PANEL), _MM_HINT_T2);
+    }
     __m512 wv[NP];
     for (int j = 0; j < NP; ++j) wv[j] = load16<W>(w + j * panel_stride + k * PANEL);
     for (int m = 0; m < MT; ++m) {
@@ -102,6 +113,8 @@ void for_each_tile(int64_t M, int64_t ksteps, int64_t kblock, int64_t groups, co
             pf.base = static_cast<const char*>(w) + ng * group_bytes + nk0 * step_bytes;
             pf.panel_bytes = panel_bytes;
             pf.lines = ((std::min(ksteps, nk0 + kblock) - nk0) * step_bytes + 63) / 64;
+          } else if (tiles >= 2 && tiles < kMinPrefetchTiles) {
+            pf.ahead = kAheadSteps;
           }
           for (int64_t t = 0, m = m0; t < tiles; ++t) {
             const int64_t mt = (m1 - m + (tiles - t) - 1) / (tiles - t);

@@ -14,7 +14,7 @@ for r in range(int(os.environ.get("ROUNDS", "8"))):
         xs = [torch.randn(M, m.in_features) for m in mods]
         order = Ds if r % 2 == 0 else Ds[::-1]
         for d in order:
-            ops.set_tile_pf(d, 6)
+            ops.set_tile_pf(d, 1)
             t = time.perf_counter()
             for m, x in zip(mods, xs): ops.packed_linear(x, m.packed, m.scale)
             res.setdefault((M, d), []).append(time.perf_counter() - t)
