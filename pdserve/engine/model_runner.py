@@ -5,6 +5,7 @@ attention groups; execute() runs one forward under the attention context, comput
 for the sequences whose scheduled tokens reach their end (a finished prefill or a decode), and
 samples their next tokens."""
 import time
+
 import torch
 
 from pdserve import hugepages

@@ -31,7 +31,9 @@ using pdserve::load16;
 // With 2 or 3 row tiles (7-18 rows) there is too little compute after the first tile to spread a
 // whole block over, and instead each k-step of an fp32 tile asks for its panels' lines `ahead`
 // k-steps on: the first tile's stream runs ahead of its loads, and the later tiles start the next
-// k-block's stream before the next first tile needs it (16 rows 1.06-1.14x, perf/linear_labs/).
+// k-block's stream before the next first tile needs it (the linears at 16 rows 1.06-1.14x, engine
+// steps at 12-16 rows 1.03-1.09x: perf/linear_labs/). Past a matrix's end it asks for lines that
+// are not ours: harmless, a prefetch never faults.
 struct NextBlock {
   const char* base = nullptr;
   int64_t panel_bytes = 0, lines = 0, next = 0, end = 0;

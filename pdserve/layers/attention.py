@@ -26,7 +26,7 @@ from pdserve.kernels import cpu_ops
 class AttentionGroup:
     """Sequences whose queries are padded to the same length for one SDPA call."""
     token_idx: torch.Tensor   # (B, Q) index of each query in the flat batch (padding repeats a valid one)
-    query_valid: torch.Tensor | None  # (B, Q) bool, False on padding (None for the CPU kernels: none)
+    query_valid: torch.Tensor | None  # (B, Q) bool, False on padding; None in a group for the CPU kernels
     block_tables: torch.Tensor  # (B, ceil(K / block_size)) the blocks holding each sequence's keys (padding: 0)
     num_keys: int             # K: the longest context in the group
     block_size: int
