@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.config import ModelConfig
-from pdserve.engine.args import add_engine_args, engine_kwargs
+from pdserve.engine.args import add_engine_args, engine_kwargs, int_at_least
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling_params import SamplingParams
@@ -183,7 +183,7 @@ def engine_overhead(engine, batch: int, context: int, ids: list[int], steps: int
     engine.step()
     engine.block_manager.check_all_free()
     step, forward = statistics.median(step_t), statistics.median(forward_t)
-    return dict(batch=batch, context=context, step_ms=step * 1e3, forward_ms=forward * 1e3,
+    return dict(batch=batch, context=context, steps=steps, step_ms=step * 1e3, forward_ms=forward * 1e3,
                 overhead_ms=(step - forward) * 1e3, overhead_pct=100 * (step - forward) / step)
 
 
@@ -299,9 +299,9 @@ def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhe
                    f"{max(r['step_s']) * 1e3:.1f} ms)")
     if overhead:
         o = overhead
-        out.append(f"engine overhead, decode batch {o['batch']} at context {o['context']}: engine.step() "
-                   f"{o['step_ms']:.2f} ms, forward {o['forward_ms']:.2f} ms, overhead {o['overhead_ms']:.2f} ms "
-                   f"({o['overhead_pct']:.1f}%)")
+        out.append(f"engine overhead, decode batch {o['batch']} at context {o['context']} (median of "
+                   f"{o['steps']} steps): engine.step() {o['step_ms']:.2f} ms, forward "
+                   f"{o['forward_ms']:.2f} ms, overhead {o['overhead_ms']:.2f} ms ({o['overhead_pct']:.1f}%)")
     return out
 
 
@@ -382,6 +382,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for the probes and the engine (default: torch's own choice)")
     parser.add_argument("--overhead-batch", type=int, default=8, help="decode batch for the engine overhead")
+    parser.add_argument("--overhead-steps", type=int_at_least(1), default=OVERHEAD_STEPS,
+                        help=f"decode steps timed for the engine overhead, the median reported (default "
+                             f"{OVERHEAD_STEPS}; a tiny model's steps take milliseconds and vary: give it 64 or more)")
     parser.add_argument("--read-rounds", type=int, default=6,
                         help="rounds of (read probe, decode steps of batch 1 and 4) side by side at the smallest "
                              "decode context: each step's ratio to the time to read its bytes (0: skip)")
@@ -408,9 +411,10 @@ def plan(args, kwargs: dict, limit: int) -> tuple[list[tuple[str, int, int]], tu
     ob = max(1, min(args.overhead_batch, kwargs["max_num_seqs"], budget // 2))
     oc = min(contexts or prefill or [16])
     cap = kwargs.get("max_prefill_tokens_with_decodes", 0)
-    while oc > 1 and oc + overhead_max_tokens(ob, oc, budget, prefill_cap=cap) > limit:
+    steps = args.overhead_steps
+    while oc > 1 and oc + overhead_max_tokens(ob, oc, budget, steps, cap) > limit:
         oc //= 2
-    om = overhead_max_tokens(ob, oc, budget, prefill_cap=cap)
+    om = overhead_max_tokens(ob, oc, budget, steps, cap)
     if kwargs["num_kv_blocks"] is None and kwargs["kv_cache_memory"] is None:
         bs = kwargs["block_size"]
         kwargs["num_kv_blocks"] = max([ob * -(-(oc + om) // bs)] + [b * -(-c // bs) for _, b, c in points])
@@ -467,7 +471,7 @@ def run(args) -> int:
         read = side_by_side_read(engine, steps, ids, limits.read_bytes, args.read_rounds)
     overhead = None
     if ob * -(-(oc + om) // bm.block_size) <= bm.num_blocks:
-        overhead = engine_overhead(engine, ob, oc, ids)
+        overhead = engine_overhead(engine, ob, oc, ids, args.overhead_steps)
     else:
         print(f"  engine overhead: skipped, {ob} requests of {oc} + {om} tokens do not fit the KV cache")
 

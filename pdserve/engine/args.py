@@ -5,7 +5,7 @@ import os
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "default-model")
 
 
-def _int_at_least(low: int, note: str = ""):
+def int_at_least(low: int, note: str = ""):
     """An argparse type: an integer >= low, else the usual one-line `argument --flag: ...` error."""
     def parse(text: str) -> int:
         try:
@@ -27,21 +27,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weight and activation dtype; auto = the checkpoint's torch_dtype on GPU, float32 on CPU "
                         "(equal to transformers; bfloat16 is faster on CPUs with AVX512-BF16)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
-    g.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV-cache block")
-    g.add_argument("--num-kv-blocks", type=_int_at_least(1), default=None,
+    g.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-kv-blocks", type=int_at_least(1), default=None,
                    help="number of KV-cache blocks (overrides --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=_int_at_least(1), default=None,
+    g.add_argument("--kv-cache-memory", type=int_at_least(1), default=None,
                    help="bytes of memory for the KV cache (default: enough for max-num-seqs full-length "
                         "sequences, capped at 4 GiB)")
-    g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=512,
+    g.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512,
                    help="token budget of one engine step (prefill chunks + decodes)")
-    g.add_argument("--max-prefill-tokens-with-decodes", type=_int_at_least(0, " (0 = no cap)"), metavar="N",
+    g.add_argument("--max-prefill-tokens-with-decodes", type=int_at_least(0, " (0 = no cap)"), metavar="N",
                    default=0,
                    help="in a step that also decodes, at most N prefill tokens in all, so a long prompt does not "
                         "stall running streams (a step without decodes still takes the whole "
                         "--max-num-batched-tokens); 32 keeps streams even on a 0.5B CPU model at some cost in "
                         "throughput and queued TTFT; 0 = no cap (default)")
-    g.add_argument("--max-num-seqs", type=_int_at_least(1), default=64, help="most sequences in one engine step")
+    g.add_argument("--max-num-seqs", type=int_at_least(1), default=64, help="most sequences in one engine step")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")

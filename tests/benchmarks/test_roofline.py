@@ -93,7 +93,7 @@ def test_phases_per_token():
 def test_command_quick(tiny_qwen2, tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     cmd = [sys.executable, "-m", "pdserve", "roofline", "--quick", "--threads", "1", "--model", tiny_qwen2,
-           "--output", str(out), "--plot", str(png)]
+           "--overhead-steps", "9", "--output", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, MPLBACKEND="Agg"))
     assert proc.returncode == 0, proc.stderr
@@ -124,7 +124,7 @@ def test_command_quick(tiny_qwen2, tmp_path):
         assert pre["flops_linear"] / c == dec["flops_linear"]
         assert pre["flops_attn"] / c == pytest.approx(dec["flops_attn"] * (c + 1) / (2 * c), rel=1e-12)
     assert point("nocache", 1, 512)["flops"] == point("prefill", 1, 512)["flops"]
-    assert data["overhead"]["step_ms"] >= data["overhead"]["forward_ms"] > 0
+    assert data["overhead"]["step_ms"] >= data["overhead"]["forward_ms"] > 0 and data["overhead"]["steps"] == 9
     read = data["side_by_side_read"]
     assert read["context"] == 128 and read["rounds"] == len(read["bandwidth"]) == 6
     assert set(read["batches"]) == {"1", "4"}
