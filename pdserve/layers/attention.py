@@ -93,25 +93,24 @@ def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int, 
     the step goes into one int64 buffer, one tensor split into views. torch.tensor() on lists costs
     ~60 ns an element (a decode batch's nested tables: ~20 us), array() ~15, and between two
     forwards each torch call runs cold (several us; ~20 the first time a kind of op runs)."""
-    ints, sizes, layouts = [], [], []
+    ints, sizes = [], []
     for x in flat:
         ints += x
         sizes.append(len(x))
-    for q_lens, starts, ctx_lens, tables in ([] if with_mask else groups):
-        B, K = len(q_lens), max(ctx_lens)
-        nb = (K + block_size - 1) // block_size
-        ints += q_lens + starts + ctx_lens
-        _add_tables(ints, tables, nb)
-        sizes += [B, B, B, B * nb]
-        layouts.append((B, max(q_lens), K, nb, starts))
+    shapes = []   # (K, nb) of each kernel group
+    for g in ([] if with_mask else groups):
+        shapes.append(_add_group_ints(ints, *g, block_size))
+        B = len(g[0])
+        sizes += [B, B, B, B * shapes[-1][1]]
     parts = torch.frombuffer(array("q", ints), dtype=torch.long).to(device).split(sizes)
     tensors, it = parts[:len(flat)], iter(parts[len(flat):])
     if with_mask:
         built = [_masked_group(*g, block_size, sliding_window, device) for g in groups]
     else:
         built = []
-        for B, Q, K, nb, starts in layouts:
+        for (q_lens, starts, _, _), (K, nb) in zip(groups, shapes):
             q_lens_t, starts_t, ctx_t, tables = next(it), next(it), next(it), next(it)
+            B, Q = len(q_lens), max(q_lens)
             consecutive = Q == 1 and starts[-1] - starts[0] == B - 1
             built.append(AttentionGroup(starts_t.view(B, 1), None, tables.view(B, nb), K, block_size, ctx_t,
                                         sliding_window, None, q_lens_t if Q > 1 else None,
@@ -119,20 +118,26 @@ def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int, 
     return list(tensors), AttentionMetadata(slot_mapping=tensors[-1], groups=built)
 
 
-def _add_tables(ints: list[int], tables: list[list[int]], nb: int) -> None:
-    for t in tables:   # each table cut or padded with block 0 to nb blocks
+def _add_group_ints(ints: list[int], q_lens: list[int], starts: list[int], ctx_lens: list[int],
+                    tables: list[list[int]], block_size: int) -> tuple[int, int]:
+    """Append a group's q_lens, starts, ctx_lens and block tables, each table cut or padded with
+    block 0 to nb blocks; returns (K, nb): the longest context and its blocks."""
+    K = max(ctx_lens)
+    nb = (K + block_size - 1) // block_size
+    ints += q_lens + starts + ctx_lens
+    for t in tables:
         ints += t[:nb]
         if len(t) < nb:
             ints += [0] * (nb - len(t))
+    return K, nb
 
 
 def _masked_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block_tables: list[list[int]],
                   block_size: int, sliding_window: int | None, device) -> AttentionGroup:
     """Gather indices, padding and the causal mask, for one batched SDPA call."""
-    B, Q, K = len(q_lens), max(q_lens), max(ctx_lens)
-    nb = (K + block_size - 1) // block_size
-    ints = q_lens + starts + ctx_lens
-    _add_tables(ints, block_tables, nb)
+    ints = []
+    K, nb = _add_group_ints(ints, q_lens, starts, ctx_lens, block_tables, block_size)
+    B, Q = len(q_lens), max(q_lens)
     q_lens_t, starts_t, ctx_t, tables = torch.frombuffer(array("q", ints), dtype=torch.long).split([B, B, B, B * nb])
     tables = tables.view(B, nb)
     q_off = torch.arange(Q)
