@@ -1,4 +1,5 @@
 """The offline API: `LLM(path).generate(prompts, SamplingParams(...))`."""
+import dataclasses
 from collections.abc import Iterator
 
 from pdserve.engine.llm_engine import LLMEngine
@@ -22,7 +23,7 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run all prompts together (continuous batching) and return their final outputs in input order."""
         final: dict[str, RequestOutput] = {}
-        ids = self._add(prompts, params)
+        ids = self._add(prompts, params, final_only=True)   # no per-step outputs: only the finals are read
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -42,13 +43,16 @@ class LLM:
         self._add(prompts, params)
         yield from self._run()
 
-    def _add(self, prompts, params) -> list[str]:
+    def _add(self, prompts, params, final_only: bool = False) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
+        if final_only:   # copies: the caller's params stay as they were
+            copies = {id(p): dataclasses.replace(p, final_only=True) for p in plist}
+            plist = [copies[id(p)] for p in plist]
         ids = []
         try:
             for prompt, p in zip(prompts, plist):

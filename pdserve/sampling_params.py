@@ -22,6 +22,9 @@ class SamplingParams:
     logprobs: int | None = None       # top-N logprobs per generated token (plus the sampled one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Only the finished output, none per step (vLLM's RequestOutputKind.FINAL_ONLY): what
+    # LLM.generate and non-streamed API responses read. Saves making an output per request and step.
+    final_only: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -56,6 +59,8 @@ class SamplingParams:
             bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.final_only, bool):
+            bad("final_only", f"must be true or false, got {self.final_only!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             # torch's generator takes no more; a larger seed would fail the whole engine step
             bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")

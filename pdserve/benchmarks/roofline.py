@@ -157,22 +157,24 @@ def overhead_max_tokens(batch: int, context: int, budget: int, steps: int = OVER
     return -(-batch * context // per_step) + 1 + steps + 2
 
 
-def engine_overhead(engine, batch: int, context: int, ids: list[int], steps: int = OVERHEAD_STEPS) -> dict:
+def engine_overhead(engine, batch: int, context: int, ids: list[int], steps: int = OVERHEAD_STEPS,
+                    final_only: bool = False) -> dict:
     """Whole engine.step() (schedule, prepare, forward, sample, detokenize, outputs) against the
-    runner's forward, for a decode batch of real requests."""
+    runner's forward, for a decode batch of real requests: streamed (an output per request and
+    step), or final_only (LLM.generate's and non-streamed responses' requests)."""
     max_tokens = overhead_max_tokens(batch, context, engine.config.max_num_batched_tokens, steps,
                                      engine.config.max_prefill_tokens_with_decodes)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, final_only=final_only)
     rids = [f"roofline-overhead-{i}" for i in range(batch)]
     for rid in rids:
         engine.add_request(rid, ids[:context], params)
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
         engine.step()   # the prefills, under the engine's own token budget
     engine.step()       # warm-up decode
-    step_t, forward_t = [], []
+    step_t, forward_t, outputs = [], [], 0
     for _ in range(steps):
         t0 = time.perf_counter()
-        engine.step()
+        outputs += len(engine.step())
         step_t.append(time.perf_counter() - t0)
         forward_t.append(engine.runner.last_forward_time)
         s = engine.last_step
@@ -183,7 +185,8 @@ def engine_overhead(engine, batch: int, context: int, ids: list[int], steps: int
     engine.step()
     engine.block_manager.check_all_free()
     step, forward = statistics.median(step_t), statistics.median(forward_t)
-    return dict(batch=batch, context=context, steps=steps, step_ms=step * 1e3, forward_ms=forward * 1e3,
+    return dict(batch=batch, context=context, steps=steps, final_only=final_only, outputs_per_step=outputs / steps,
+                step_ms=step * 1e3, forward_ms=forward * 1e3,
                 overhead_ms=(step - forward) * 1e3, overhead_pct=100 * (step - forward) / step)
 
 
@@ -237,7 +240,7 @@ def find(recs: list[dict], phase: str, batch: int | None = None, context: int | 
 
 
 def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhead: dict | None,
-             read: dict | None = None) -> list[str]:
+             read: dict | None = None, overhead_final: dict | None = None) -> list[str]:
     """Short statements computed from the measured points (each one only if its points exist)."""
     def get(phase, batch, context):
         return next(iter(find(recs, phase, batch, context)), None)
@@ -302,6 +305,10 @@ def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhe
         out.append(f"engine overhead, decode batch {o['batch']} at context {o['context']} (median of "
                    f"{o['steps']} steps): engine.step() {o['step_ms']:.2f} ms, forward "
                    f"{o['forward_ms']:.2f} ms, overhead {o['overhead_ms']:.2f} ms ({o['overhead_pct']:.1f}%)")
+    if overhead_final:
+        o = overhead_final
+        out.append(f"the same for final-only requests (no output per step: LLM.generate, non-streamed "
+                   f"responses): overhead {o['overhead_ms']:.2f} ms ({o['overhead_pct']:.1f}%)")
     return out
 
 
@@ -469,9 +476,10 @@ def run(args) -> int:
             seqs, rows = phase_steps("decode", b, context)
             steps[b] = (step_cost(mc, seqs, rows), seqs)
         read = side_by_side_read(engine, steps, ids, limits.read_bytes, args.read_rounds)
-    overhead = None
+    overhead = overhead_final = None
     if ob * -(-(oc + om) // bm.block_size) <= bm.num_blocks:
         overhead = engine_overhead(engine, ob, oc, ids, args.overhead_steps)
+        overhead_final = engine_overhead(engine, ob, oc, ids, args.overhead_steps, final_only=True)
     else:
         print(f"  engine overhead: skipped, {ob} requests of {oc} + {om} tokens do not fit the KV cache")
 
@@ -482,7 +490,7 @@ def run(args) -> int:
           f"ridge {peak / bw:.1f} FLOP/B")
     recs = [record(*m, peak, bw) for m in measured]
     print_table(recs)
-    notes = findings(recs, peak, bw, dtype, overhead, read)
+    notes = findings(recs, peak, bw, dtype, overhead, read, overhead_final)
     print("\nfindings (on a shared machine times are noisy):")
     for line in notes:
         print(f"  - {line}")
@@ -492,7 +500,8 @@ def run(args) -> int:
                            model=dict(path=args.model, architecture=engine.model_config.architecture, dtype=dtype,
                                       cost=asdict(mc), kv_bytes_per_token=mc.kv_bytes_per_token),
                            roof=dict(bandwidth=bw, peak_flops=peak, ridge=peak / bw),
-                           points=recs, overhead=overhead, side_by_side_read=read, findings=notes), f, indent=1)
+                           points=recs, overhead=overhead, overhead_final_only=overhead_final,
+                           side_by_side_read=read, findings=notes), f, indent=1)
         print(f"wrote {args.output}")
     if args.plot:
         plot(args.plot, recs, limits, dtype, engine.model_name)

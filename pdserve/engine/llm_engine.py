@@ -95,7 +95,7 @@ class LLMEngine:
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq, seq.finish_reason)   # frees its blocks in this step
                     outputs.append(self._finish(seq, token))
-                else:
+                elif not seq.final_only:
                     outputs.append(self.processor.make_output(seq, [token]))
         except Exception:
             # Whatever failed (scheduling, forward, sampling, detokenizing, stop checks), only the
@@ -129,4 +129,6 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, token: int | None) -> RequestOutput:
         del self.seqs[seq.request_id]
+        if seq.final_only:   # its only output: everything is new
+            return self.processor.make_output(seq, seq.output_token_ids)
         return self.processor.make_output(seq, [] if token is None else [token])

@@ -89,7 +89,8 @@ class _CopiedOnRead:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step. `new_*` is what this step added."""
+    """The state of one request after a step. `new_*` is what this output adds to the request's
+    previous one: this step's token, or everything for a final_only request (its only output)."""
     request_id: str
     prompt_token_ids: list[int]      # shared by all outputs of the request: do not mutate
     token_ids: list[int] = _CopiedOnRead()  # all generated so far

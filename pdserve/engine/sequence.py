@@ -40,6 +40,7 @@ class Sequence:
         self.argmax_only = (params.greedy and params.logprobs is None and params.min_tokens == 0
                             and params.repetition_penalty == 1.0 and not params.presence_penalty
                             and not params.frequency_penalty)
+        self.final_only = params.final_only   # read per step: one attribute, not two
         # per-request RNG: a seeded request samples the same tokens whatever else is in the batch
         self.generator: torch.Generator | None = None
         # set by the OutputProcessor: generated text so far, and how much of it was streamed

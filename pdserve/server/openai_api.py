@@ -90,7 +90,8 @@ async def completions(body: CompletionRequest, request: Request):
         s.check_max_tokens(body.max_tokens)
         max_tokens = body.max_tokens
     params = [p for _ in prompts for p in s.sampling_params(body.n, body.seed, max_tokens=max_tokens,
-                                                            logprobs=body.logprobs, **body.sampling_kwargs())]
+                                                            logprobs=body.logprobs, final_only=not body.stream,
+                                                            **body.sampling_kwargs())]
     if not body.echo:
         texts = [""] * len(prompts)
     elif isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
@@ -176,7 +177,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     else:
         s.check_max_tokens(max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, **body.sampling_kwargs())
+    params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, final_only=not body.stream,
+                               **body.sampling_kwargs())
     request_id, sub = await s.submit([prompt] * body.n, params, arrival, "chatcmpl")
     if body.stream:
         return sse_response(_chat_events(s, body, sub, _head(request_id, "chat.completion.chunk", s), prompt))

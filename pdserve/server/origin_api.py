@@ -22,7 +22,7 @@ from pdserve.server.streaming import sse, sse_response, unless_disconnected
 router = APIRouter()
 
 
-async def _submit(request: Request, body, prompts: list[str], param: str = "prompt"):
+async def _submit(request: Request, body, prompts: list[str], param: str = "prompt", stream: bool = False):
     arrival = time.perf_counter()
     s = get_state(request)
     ids = [s.encode(p) for p in prompts]
@@ -35,7 +35,7 @@ async def _submit(request: Request, body, prompts: list[str], param: str = "prom
     # The origin had no context limit to speak of: stop at the context rather than refuse
     # (a prompt that fills the context alone is still refused, by the engine).
     params = [SamplingParams(max_tokens=min(max_tokens, max(1, s.max_model_len - len(p))),
-                             temperature=body.temperature) for p in ids]
+                             temperature=body.temperature, final_only=not stream) for p in ids]
     _, sub = await s.submit(ids, params, arrival, "gen")
     return sub
 
@@ -64,7 +64,7 @@ async def generate(body: GenerateRequest, request: Request):
 
 @router.post("/generate_stream")
 async def generate_stream(body: GenerateStreamRequest, request: Request):
-    sub = await _submit(request, body, [body.prompt])
+    sub = await _submit(request, body, [body.prompt], stream=True)
 
     async def events():
         # The origin's stream is only token events; it ends when the response ends.

@@ -125,6 +125,11 @@ def test_command_quick(tiny_qwen2, tmp_path):
         assert pre["flops_attn"] / c == pytest.approx(dec["flops_attn"] * (c + 1) / (2 * c), rel=1e-12)
     assert point("nocache", 1, 512)["flops"] == point("prefill", 1, 512)["flops"]
     assert data["overhead"]["step_ms"] >= data["overhead"]["forward_ms"] > 0 and data["overhead"]["steps"] == 9
+    # streamed requests make an output each per step, final-only ones none until they finish
+    final = data["overhead_final_only"]
+    assert final["steps"] == 9 and final["final_only"] and final["outputs_per_step"] == 0
+    assert not data["overhead"]["final_only"] and data["overhead"]["outputs_per_step"] == data["overhead"]["batch"]
+    assert "final-only requests" in proc.stdout
     read = data["side_by_side_read"]
     assert read["context"] == 128 and read["rounds"] == len(read["bandwidth"]) == 6
     assert set(read["batches"]) == {"1", "4"}

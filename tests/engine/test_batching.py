@@ -180,3 +180,51 @@ def test_a_failing_step_fails_only_its_requests(path, prompts):
     engine.add_request("c", prompts[0], GREEDY)
     final = run_to_end(engine, {})
     assert final["c"].finish_reason == "length" and len(final["c"].token_ids) == GREEDY.max_tokens
+
+
+def test_final_only_requests_get_one_output_equal_to_the_streamed_final(path, prompts):
+    # A final_only request (LLM.generate's, a non-streamed API response's) makes no output per
+    # step, only its final one, which carries everything as new; requests streamed beside it in
+    # the same steps are unaffected.
+    engine = LLMEngine(path, max_num_batched_tokens=32)
+    params = dict(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, stop=["zzzz"])
+    for i in range(2):
+        engine.add_request(f"s{i}", prompts[i], SamplingParams(**params))
+        engine.add_request(f"f{i}", prompts[i], SamplingParams(**params, final_only=True))
+    engine.add_request("fa", prompts[2], SamplingParams(**params, final_only=True))   # aborted mid-decode
+    outs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        steps += 1
+        if steps == 6:
+            engine.abort_request("fa")
+    for i in range(2):
+        streamed, (final,) = outs[f"s{i}"], outs[f"f{i}"]
+        assert len(streamed) > 1 and final.finished
+        last = streamed[-1]
+        assert (final.token_ids, final.text, final.logprobs, final.finish_reason) == \
+               (last.token_ids, last.text, last.logprobs, last.finish_reason)
+        assert final.new_token_ids == final.token_ids and final.new_text == final.text
+        assert final.new_logprobs == final.logprobs
+        assert len(final.metrics.token_times) == 10
+    (aborted,) = outs["fa"]
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 10
+    assert aborted.new_token_ids == aborted.token_ids
+    engine.block_manager.check_all_free()
+
+
+def test_generate_asks_for_final_outputs_only_and_leaves_params_alone(path, prompts, solo):
+    llm = LLM(path)
+    seen = []
+    step = llm.engine.step
+
+    def counting_step():
+        out = step()
+        seen.extend(out)
+        return out
+    llm.engine.step = counting_step
+    outs = llm.generate(prompts[:3], GREEDY)
+    assert [o.token_ids for o in outs] == solo[:3]
+    assert len(seen) == 3 and all(o.finished for o in seen)   # no per-step outputs
+    assert GREEDY.final_only is False

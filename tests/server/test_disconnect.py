@@ -9,8 +9,8 @@ def aborts(m):
     return m.get('pdserve:request_success_total{finished_reason="abort"}', 0)
 
 
-def idle_after_abort(before):
-    return lambda m: (aborts(m) == before + 1 and m["pdserve:kv_cache_usage_perc"] == 0
+def idle_after_abort(before, n: int = 1):
+    return lambda m: (aborts(m) == before + n and m["pdserve:kv_cache_usage_perc"] == 0
                       and m["pdserve:num_requests_running"] == 0 and m["pdserve:num_requests_waiting"] == 0)
 
 
@@ -34,7 +34,9 @@ def test_dropped_stream_is_aborted_and_frees_kv(server, path, body):
 
 def test_non_streaming_client_that_leaves_is_aborted(server):
     before = aborts(server.metrics())
+    # 16 choices: a non-streamed request makes no output per step, and one choice of 1000 tokens
+    # took ~0.35 s on this tiny model, too close to the client's timeout; 16 took ~0.5 s
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json={"prompt": "Once upon a time", **LONG},
-                   timeout=httpx.Timeout(30, read=0.3))
-    server.wait_for(idle_after_abort(before), timeout=5)
+        httpx.post(server.url + "/v1/completions", json={"prompt": "Once upon a time", "n": 16, **LONG},
+                   timeout=httpx.Timeout(30, read=0.2))
+    server.wait_for(idle_after_abort(before, 16), timeout=5)
