@@ -7,9 +7,9 @@ buffer_pool.cpp keeps the freed big outputs of the linears and SwiGLU for reuse.
 
 Built on first use with torch's C++ extension loader (needs a C++ compiler; the build is cached
 under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR, in a directory named after a hash of the
-sources, the headers, the flags and torch's version: two checkouts with different kernels never
-rebuild each other's, two with the same kernels share one build, and an edit to vec512.h alone gets
-a fresh build). Where it cannot be built (no compiler, no
+sources, the headers, the flags, the compiler and torch's version: two checkouts with different
+kernels never rebuild each other's, two with the same kernels share one build, and an edit to
+vec512.h alone or a new compiler gets a fresh build). Where it cannot be built (no compiler, no
 AVX-512) the engine keeps torch's own ops and says so once."""
 import fcntl
 import functools
@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
 
 log = logging.getLogger("pdserve")
@@ -46,10 +47,21 @@ def cpu_supports_bf16_dot() -> bool:
     return "avx512_bf16" in _cpu_flags()
 
 
+def compiler_version() -> str:
+    """The compiler torch's loader runs ($CXX, else c++) and its `--version` banner ("" if it does
+    not run): a build made by another compiler (an upgrade, another $CXX) is another build."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return f"{cxx}: {out.strip()}"
+
+
 def build_name() -> str:
-    """pdserve_cpu_ops_<hash of sources, header, flags and torch version>."""
+    """pdserve_cpu_ops_<hash of sources, header, flags, compiler and torch version>."""
     import torch
-    h = hashlib.sha256(" ".join(CFLAGS + [torch.__version__]).encode())
+    h = hashlib.sha256(" ".join(CFLAGS + [torch.__version__, compiler_version()]).encode())
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             h.update(f.read())

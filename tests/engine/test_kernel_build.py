@@ -42,6 +42,18 @@ def test_build_name_covers_the_header(tmp_path, monkeypatch):
     assert kernels.build_name() != before
 
 
+def test_build_name_covers_the_compiler(tmp_path, monkeypatch):
+    before = kernels.build_name()
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\necho 'c++ (Fake) 99.1'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    assert "Fake" in kernels.compiler_version()
+    assert kernels.build_name() != before
+    monkeypatch.delenv("CXX")
+    assert kernels.build_name() == before
+
+
 def test_a_checkout_elsewhere_with_the_same_kernels_reuses_the_build(tmp_path):
     # Same sources at another path (a second clone, CI's clean clone): torch's loader alone would
     # compile them again (its build file names the sources' paths) and the two would keep
