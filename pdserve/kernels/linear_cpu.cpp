@@ -29,11 +29,11 @@ using pdserve::load16;
 // the first row tile of the next one finds it there instead of waiting on DRAM. Lines of panel j:
 // base + j * panel_bytes + i * 64, i < lines; tile t of T issues lines up to lines * NP * t / (T - 1).
 // With 2 or 3 row tiles (7-18 rows) there is too little compute after the first tile to spread a
-// whole block over, and instead each k-step of an fp32 tile asks for its panels' lines `ahead`
-// k-steps on: the first tile's stream runs ahead of its loads, and the later tiles start the next
-// k-block's stream before the next first tile needs it (the linears at 16 rows 1.06-1.14x, engine
-// steps at 12-16 rows 1.03-1.09x: perf/linear_labs/). Past a matrix's end it asks for lines that
-// are not ours: harmless, a prefetch never faults.
+// whole block over, and instead each k-step of a tile asks for its panels' lines `ahead` k-steps
+// on: the first tile's stream runs ahead of its loads, and the later tiles start the next k-block's
+// stream before the next first tile needs it (AheadTiles says for which tile counts: fp32 engine
+// steps at 12-16 rows 1.03-1.09x, bf16 pairs at 6-24 rows 1.05-1.29x: perf/linear_labs/). Past a
+// matrix's end it asks for lines that are not ours: harmless, a prefetch never faults.
 struct NextBlock {
   const char* base = nullptr;
   int64_t panel_bytes = 0, lines = 0, next = 0, end = 0;
@@ -46,7 +46,17 @@ struct NextBlock {
   }
 };
 constexpr int64_t kMinPrefetchTiles = 4;   // from 19 rows; fewer: 0.98-1.0x at 16 rows, slower at 1
-constexpr int64_t kAheadSteps = 32;        // k-steps (2 KB of an fp32 panel), for 2-3 row tiles
+constexpr int64_t kAheadSteps = 32;        // k-steps (2 KB of a panel, fp32 or bf16 pairs)
+
+// The row-tile counts whose tiles prefetch `ahead`, measured per kernel (perf/linear_labs/): fp32
+// 2-3 tiles (one tile: 0.90-1.03x); bf16 pairs 1-4 tiles, where each k-step does twice the
+// multiply-adds and the stream falls behind more (6 rows 1.29x, 8-16 rows 1.11-1.17x, 20-24 rows
+// 1.05x alongside the next-block prefetch; 28-32 rows 0.98-1.02x, so not from 5 tiles).
+struct AheadTiles {
+  int64_t min, max;
+};
+constexpr AheadTiles kAheadFp32{2, kMinPrefetchTiles - 1};
+constexpr AheadTiles kAheadPairs{1, 4};
 
 // MT rows x NP panels over k in [k0, k1); accumulates into y (row stride ldy) unless first.
 template <typename W, int MT>
@@ -92,12 +102,13 @@ inline void with_tile_height(int64_t mt, F&& f) {
 // Threads split the output channels into groups of NP panels: each reads a disjoint, contiguous
 // part of the weights. Then k-blocks, then balanced row tiles of at most 6 (32 rows: 6,6,5,5,5,5,
 // not 6x5 + 2): a thin tile pays the same weight loads for fewer FMAs.
-// With kMinPrefetchTiles row tiles or more, the later ones prefetch the next block (NextBlock).
+// With kMinPrefetchTiles row tiles or more, the later ones prefetch the next block (NextBlock);
+// with as many as `ahead` says, every tile prefetches ahead of its own k-steps.
 // tile(mt, m, g, k0, k1, pf): rows [m, m + mt) x group g over k-steps [k0, k1). The weights start
 // at w; a k-step of one panel is step_bytes (a group is NP panels of ksteps k-steps each).
 template <typename Tile>
 void for_each_tile(int64_t M, int64_t ksteps, int64_t kblock, int64_t groups, const void* w, int64_t step_bytes,
-                   const Tile& tile) {
+                   AheadTiles ahead, const Tile& tile) {
   const int64_t panel_bytes = ksteps * step_bytes, group_bytes = NP * panel_bytes;
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t m1 = std::min(M, m0 + MB);
@@ -115,9 +126,8 @@ void for_each_tile(int64_t M, int64_t ksteps, int64_t kblock, int64_t groups, co
             pf.base = static_cast<const char*>(w) + ng * group_bytes + nk0 * step_bytes;
             pf.panel_bytes = panel_bytes;
             pf.lines = ((std::min(ksteps, nk0 + kblock) - nk0) * step_bytes + 63) / 64;
-          } else if (tiles >= 2 && tiles < kMinPrefetchTiles) {
-            pf.ahead = kAheadSteps;
           }
+          if (tiles >= ahead.min && tiles <= ahead.max) pf.ahead = kAheadSteps;
           for (int64_t t = 0, m = m0; t < tiles; ++t) {
             const int64_t mt = (m1 - m + (tiles - t) - 1) / (tiles - t);
             if (pf.base && t > 0) pf.end = pf.lines * NP * t / (tiles - 1);
@@ -133,7 +143,7 @@ void for_each_tile(int64_t M, int64_t ksteps, int64_t kblock, int64_t groups, co
 template <typename W>
 void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad, float* y) {
   const int64_t ps = K * PANEL;   // elements per panel
-  for_each_tile(M, K, KB, Npad / (PANEL * NP), w, PANEL * int64_t(sizeof(W)),
+  for_each_tile(M, K, KB, Npad / (PANEL * NP), w, PANEL * int64_t(sizeof(W)), kAheadFp32,
                 [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1, NextBlock& pf) {
                   with_tile_height(mt, [&](auto MT) {
                     micro<W, MT>(x + m * K, K, w + g * NP * ps, ps, y + m * Npad + g * NP * PANEL, Npad, k0, k1,
@@ -145,7 +155,8 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad,
 // bf16 x bf16 -> fp32 dot products (AVX512-BF16): twice the multiply-adds per instruction of
 // fp32 FMAs, for the compute-bound products of a bf16 model (prefill, large decode batches).
 // Weights are packed in k-pairs: panel p holds P[p][k/2][16 channels][2], activations are bf16.
-template <int MT>
+// Ahead: prefetch pf.ahead k-pair steps on (a template argument: without it the loop is as before).
+template <int MT, bool Ahead>
 inline void micro_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, float* y, int64_t ldy,
                      int64_t kp0, int64_t kp1, bool first, NextBlock& pf) {
   __m512 acc[MT][NP];
@@ -154,6 +165,9 @@ inline void micro_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
       acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + j * PANEL);
   for (int64_t kp = kp0; kp < kp1; ++kp) {
     pf.prefetch_one();
+    if constexpr (Ahead)
+      for (int j = 0; j < NP; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * panel_stride + (kp + pf.ahead) * 2 * PANEL), _MM_HINT_T2);
     __m512bh wv[NP];
     for (int j = 0; j < NP; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_stride + kp * 2 * PANEL);
     for (int m = 0; m < MT; ++m) {
@@ -170,11 +184,14 @@ inline void micro_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
 // The same blocking as linear_impl, over k-pairs.
 void linear_dp_impl(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t Npad, float* y) {
   const int64_t ps = K * PANEL;   // elements per panel: K / 2 pairs of 2 x 16
-  for_each_tile(M, K / 2, KB / 2, Npad / (PANEL * NP), w, 2 * PANEL * 2,
+  for_each_tile(M, K / 2, KB / 2, Npad / (PANEL * NP), w, 2 * PANEL * 2, kAheadPairs,
                 [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1, NextBlock& pf) {
                   with_tile_height(mt, [&](auto MT) {
-                    micro_dp<MT>(x + m * K, K, w + g * NP * ps, ps, y + m * Npad + g * NP * PANEL, Npad, k0, k1,
-                                 k0 == 0, pf);
+                    const auto run = [&](auto ahead) {
+                      micro_dp<MT, decltype(ahead)::value>(x + m * K, K, w + g * NP * ps, ps,
+                                                           y + m * Npad + g * NP * PANEL, Npad, k0, k1, k0 == 0, pf);
+                    };
+                    if (pf.ahead) run(std::true_type{}); else run(std::false_type{});
                   });
                 });
 }
