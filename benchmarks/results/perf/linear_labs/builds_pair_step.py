@@ -1,4 +1,4 @@
-# One process: bf16 (and fp32) engine decode forwards, median ms per batch; prints "label b:ms ..."
+# One process of an old/new builds pair (PYTHONPATH picks the checkout): engine decode forwards at DTYPE (QUANT: int8), median ms per batch; prints "label build dtype quant b:ms ..."
 import os, statistics, sys
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.benchmarks.roofline import time_step
