@@ -16,7 +16,7 @@ from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.sampler import Sampler
-from pdserve.layers.packed_linear import pack_model
+from pdserve.layers.packed_linear import PackedLinear, pack_model
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.loader import embed_module_name, load_model
 
@@ -40,6 +40,10 @@ class ModelRunner:
         if self.attention_kernels:
             self.model.use_stack()   # the layers as one C++ call (kernels/decoder_cpu.cpp)
         self.sampler = Sampler(eos_token_ids, self.device, config.seed)
+        # A batch whose every sequence only takes the argmax (Sequence.argmax_only) gets its tokens
+        # from the packed lm_head's fused argmax: the logits (batch x vocab floats) are never made.
+        # Off (fused_argmax = False) the sampler takes the same argmax of the logits.
+        self.fused_argmax = isinstance(self.model.lm_head, PackedLinear)
         self.sliding_window = model_config.sliding_window
         self.last_forward_time = 0.0
         self.last_times: dict[str, float] = {}
@@ -131,13 +135,20 @@ class ModelRunner:
         t1 = self._now()
         with attention_context(meta):
             hidden = self.model(input_ids, positions)
-        logits = None
+        logits = tokens = None
         if logit_rows:   # every row samples in a step of decodes only: no gather then
-            logits = self.model.compute_logits(hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows])
+            hidden = hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows]
+            # fp32 rows only: a bf16 model's logits without the decoder stack are rounded to bf16 first
+            if self.fused_argmax and hidden.dtype == torch.float32 and all(s.argmax_only for s in sample_seqs):
+                tokens = self.model.compute_argmax(hidden)   # greedy: the tokens, without the logits
+            else:
+                logits = self.model.compute_logits(hidden)
         t2 = self._now()
         self.last_forward_time = t2 - t1
         result = []
-        if logits is not None:
+        if tokens is not None:
+            result = list(zip(sample_seqs, tokens.tolist(), [None] * len(sample_seqs)))
+        elif logits is not None:
             tokens, logprobs = self.sampler(logits, sample_seqs)
             result = list(zip(sample_seqs, tokens, logprobs))
         self.last_times = {"prepare": t1 - t0, "forward": t2 - t1, "sample": self._now() - t2}

@@ -11,7 +11,9 @@
 #include <immintrin.h>
 #include "vec512.h"
 #include "buffer_pool.h"
+#include <cmath>
 #include <cstring>
+#include <vector>
 #include <type_traits>
 
 namespace {
@@ -140,15 +142,78 @@ void for_each_tile(int64_t M, int64_t ksteps, int64_t kblock, int64_t groups, co
   }
 }
 
-template <typename W>
-void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad, float* y) {
+// Where a tile's 64 outputs go. DenseOut: the (M, Npad) result. ArgmaxOut: a scratch block of the
+// running thread (M x 64, the group's columns), whose rows are folded into the thread's per-row
+// argmax once the last k-block is in (done), so the (M, N) logits are never written nor read back.
+struct DenseOut {
+  float* y;
+  int64_t Npad;
+  float* tile(int64_t m, int64_t g) const { return y + m * Npad + g * NP * PANEL; }
+  int64_t ld() const { return Npad; }
+  void done(int64_t, int64_t, int64_t) const {}
+};
+
+// A row's best logit so far: the first maximum, a NaN counting as the maximum (torch.argmax's rule).
+struct RowBest {
+  float v = -INFINITY;
+  int64_t i = -1;
+  // (v, i) from a later column or another thread's range
+  bool beaten_by(float cv, int64_t ci) const {
+    if (i < 0) return true;
+    const bool nan = std::isnan(v), cnan = std::isnan(cv);
+    if (nan || cnan) return cnan && (!nan || ci < i);
+    return cv > v || (cv == v && ci < i);
+  }
+};
+
+struct ArgmaxOut {
+  float* scratch;                    // threads x M x 64
+  std::vector<RowBest>* best;        // threads x M
+  int64_t M, n;                      // rows; valid columns (the rest is padding)
+  const float *scale, *bias;         // per column (scale: Npad, bias: n), or null
+  float* tile(int64_t m, int64_t) const { return scratch + (at::get_thread_num() * M + m) * NP * PANEL; }
+  int64_t ld() const { return NP * PANEL; }
+  void done(int64_t m0, int64_t mt, int64_t g) const {
+    const int t = at::get_thread_num();
+    const int64_t c0 = g * NP * PANEL, valid = std::min<int64_t>(NP * PANEL, n - c0);
+    for (int64_t m = m0; m < m0 + mt; ++m) {
+      const float* row = scratch + (t * M + m) * NP * PANEL;
+      RowBest& b = best[t][m];
+      __m512 v[NP], mx = _mm512_set1_ps(-INFINITY);
+      __mmask16 nan = 0;
+      for (int j = 0; j < NP; ++j) {
+        const __mmask16 in = valid > j * PANEL ? pdserve::lanes(valid - j * PANEL) : 0;   // padding never wins
+        v[j] = _mm512_maskz_loadu_ps(in, row + j * PANEL);
+        if (scale) {
+          v[j] = _mm512_mul_ps(v[j], _mm512_maskz_loadu_ps(in, scale + c0 + j * PANEL));
+          asm("" : "+v"(v[j]));   // rounded here, as y.mul_(scale) does: never fused with the bias add
+        }
+        if (bias) v[j] = _mm512_add_ps(v[j], _mm512_maskz_loadu_ps(in, bias + c0 + j * PANEL));
+        v[j] = _mm512_mask_blend_ps(in, _mm512_set1_ps(-INFINITY), v[j]);
+        nan |= _mm512_cmp_ps_mask(v[j], v[j], _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, v[j]);
+      }
+      // columns ascend within a thread: a later column wins only if strictly greater (or the first NaN)
+      if (!nan && b.i >= 0 && !_mm512_cmp_ps_mask(mx, _mm512_set1_ps(b.v), _CMP_GT_OQ)) continue;
+      for (int j = 0; j < NP; ++j) {
+        alignas(64) float vals[PANEL];
+        _mm512_store_ps(vals, v[j]);
+        for (int l = 0; l < PANEL && j * PANEL + l < valid; ++l)
+          if (b.beaten_by(vals[l], c0 + j * PANEL + l)) b = RowBest{vals[l], c0 + j * PANEL + l};
+      }
+    }
+  }
+};
+
+template <typename W, typename Out>
+void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad, const Out& out) {
   const int64_t ps = K * PANEL;   // elements per panel
   for_each_tile(M, K, KB, Npad / (PANEL * NP), w, PANEL * int64_t(sizeof(W)), kAheadFp32,
                 [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1, NextBlock& pf) {
                   with_tile_height(mt, [&](auto MT) {
-                    micro<W, MT>(x + m * K, K, w + g * NP * ps, ps, y + m * Npad + g * NP * PANEL, Npad, k0, k1,
-                                 k0 == 0, pf);
+                    micro<W, MT>(x + m * K, K, w + g * NP * ps, ps, out.tile(m, g), out.ld(), k0, k1, k0 == 0, pf);
                   });
+                  if (k1 == K) out.done(m, mt, g);
                 });
 }
 
@@ -182,17 +247,19 @@ inline void micro_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
 }
 
 // The same blocking as linear_impl, over k-pairs.
-void linear_dp_impl(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t Npad, float* y) {
+template <typename Out>
+void linear_dp_impl(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t Npad, const Out& out) {
   const int64_t ps = K * PANEL;   // elements per panel: K / 2 pairs of 2 x 16
   for_each_tile(M, K / 2, KB / 2, Npad / (PANEL * NP), w, 2 * PANEL * 2, kAheadPairs,
                 [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1, NextBlock& pf) {
                   with_tile_height(mt, [&](auto MT) {
                     const auto run = [&](auto ahead) {
-                      micro_dp<MT, decltype(ahead)::value>(x + m * K, K, w + g * NP * ps, ps,
-                                                           y + m * Npad + g * NP * PANEL, Npad, k0, k1, k0 == 0, pf);
+                      micro_dp<MT, decltype(ahead)::value>(x + m * K, K, w + g * NP * ps, ps, out.tile(m, g), out.ld(),
+                                                           k0, k1, k0 == 0, pf);
                     };
                     if (pf.ahead) run(std::true_type{}); else run(std::false_type{});
                   });
+                  if (k1 == K / 2) out.done(m, mt, g);
                 });
 }
 
@@ -207,15 +274,16 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
   TORCH_CHECK(packed.size(1) == K && Npad % (PANEL * NP) == 0, "packed weight does not match x");
   auto y = pdserve::pooled_empty({M, Npad});
   if (M == 0) return y;
+  const DenseOut out{y.data_ptr<float>(), Npad};
   switch (packed.scalar_type()) {
     case at::kFloat:
-      linear_impl<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), Npad, y.data_ptr<float>());
+      linear_impl<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), Npad, out);
       break;
     case at::kBFloat16:
-      linear_impl<at::BFloat16>(x.data_ptr<float>(), M, K, packed.data_ptr<at::BFloat16>(), Npad, y.data_ptr<float>());
+      linear_impl<at::BFloat16>(x.data_ptr<float>(), M, K, packed.data_ptr<at::BFloat16>(), Npad, out);
       break;
     case at::kChar:
-      linear_impl<int8_t>(x.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), Npad, y.data_ptr<float>());
+      linear_impl<int8_t>(x.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), Npad, out);
       break;
     default:
       TORCH_CHECK(false, "packed weight dtype must be float32, bfloat16 or int8");
@@ -234,6 +302,52 @@ torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed) {
   auto y = pdserve::pooled_empty({M, Npad});
   if (M == 0) return y;
   linear_dp_impl(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
-                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, y.data_ptr<float>());
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, DenseOut{y.data_ptr<float>(), Npad});
   return y;
+}
+
+// Greedy sampling's token: the argmax of each row of x @ W^T * scale + bias over the first n
+// columns (torch.argmax's rule), as packed_linear (or packed_linear_bf16_pairs, for k-pair
+// panels, with x rounded to bf16 as PackedLinear rounds it) computes them, but without writing the
+// (M, n) logits and reading them back. x: (M, K) fp32; scale: (Npad,) or empty; bias: (n,) fp32 or
+// empty. Returns (M,) int64.
+torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor bias,
+                                   int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (M, K) fp32");
+  const bool pairs = packed.dim() == 3 && packed.size(2) == 2 * PANEL;
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == PANEL || pairs) && packed.is_contiguous(), "bad packed weight");
+  const int64_t M = x.size(0), K = x.size(1), Npad = packed.size(0) * PANEL;
+  TORCH_CHECK(packed.size(1) * (pairs ? 2 : 1) == K && Npad % (PANEL * NP) == 0, "packed weight does not match x");
+  TORCH_CHECK(n > 0 && n <= Npad, "n must be in [1, ", Npad, "]");
+  const bool scaled = scale.defined() && scale.numel() > 0, biased = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!scaled || (scale.scalar_type() == at::kFloat && scale.numel() == Npad && scale.is_contiguous()), "bad scale");
+  TORCH_CHECK(!biased || (bias.scalar_type() == at::kFloat && bias.numel() == n && bias.is_contiguous()), "bad bias");
+  auto result = torch::empty({M}, torch::kLong);
+  if (M == 0) return result;
+  const int threads = at::get_num_threads();
+  auto scratch = torch::empty({threads, M, NP * PANEL});
+  std::vector<std::vector<RowBest>> best(threads, std::vector<RowBest>(M));
+  const ArgmaxOut out{scratch.data_ptr<float>(), best.data(), M, n, scaled ? scale.data_ptr<float>() : nullptr,
+                      biased ? bias.data_ptr<float>() : nullptr};
+  if (pairs) {
+    auto xb = x.to(at::kBFloat16);
+    linear_dp_impl(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K,
+                   reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, out);
+  } else if (packed.scalar_type() == at::kFloat) {
+    linear_impl<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), Npad, out);
+  } else if (packed.scalar_type() == at::kBFloat16) {
+    linear_impl<at::BFloat16>(x.data_ptr<float>(), M, K, packed.data_ptr<at::BFloat16>(), Npad, out);
+  } else if (packed.scalar_type() == at::kChar) {
+    linear_impl<int8_t>(x.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), Npad, out);
+  } else {
+    TORCH_CHECK(false, "packed weight dtype must be float32, bfloat16 or int8");
+  }
+  auto r = result.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {   // each thread's best over its channel groups, then across threads
+    RowBest b;
+    for (int t = 0; t < threads; ++t)
+      if (best[t][m].i >= 0 && b.beaten_by(best[t][m].v, best[t][m].i)) b = best[t][m];
+    r[m] = b.i;
+  }
+  return result;
 }

@@ -11,6 +11,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_bf16_pairs", &packed_linear_bf16_pairs,
         "y = x @ W^T, bf16 x and W in k-pair panels, AVX512-BF16 dot products (linear_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("packed_linear_argmax", &packed_linear_argmax,
+        "each row's argmax of x @ W^T (greedy sampling's token) without the logits (linear_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-query attention over the paged KV cache (attention_cpu.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("paged_prefill_attention", &paged_prefill_attention,

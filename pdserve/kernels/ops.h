@@ -6,6 +6,8 @@
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
 torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed);
+torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor bias,
+                                   int64_t n);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
                                      double scale, int64_t sliding_window);

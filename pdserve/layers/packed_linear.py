@@ -58,6 +58,15 @@ class PackedLinear(nn.Module):
             y += self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of forward(x) (greedy sampling's token, torch.argmax's rule) with the
+        kernel's fused reduction: the (rows, out_features) logits are never written. x: fp32 rows."""
+        x = x.reshape(-1, self.in_features)
+        if x.dtype != torch.float32:
+            raise ValueError(f"argmax takes fp32 rows (logits of {x.dtype} rows are rounded), got {x.dtype}")
+        bias = torch.empty(0) if self.bias is None else self.bias.detach().float()
+        return cpu_ops().packed_linear_argmax(x.contiguous(), self.packed, self.scale, bias, self.out_features)
+
     def stack_tensors(self) -> list[torch.Tensor]:
         """packed, scale and fp32 bias (empty: none), as the decoder stacks take a linear (kernels/decoder.h)."""
         return [self.packed, self.scale, torch.empty(0) if self.bias is None else self.bias.detach().float()]

@@ -123,3 +123,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1), from a PackedLinear lm_head without the logits."""
+        return self.lm_head.argmax(hidden)
