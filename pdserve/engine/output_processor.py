@@ -50,7 +50,9 @@ class OutputProcessor:
         m.token_times.append(now)
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs)
-        seq.text += seq.detokenizer.add(token)
+        if not seq.defer_text:
+            seq.text += seq.detokenizer.add(token)
+            seq.text_tokens += 1
         self._check_stop(seq, token)
         if seq.finish_reason is not None:
             m.finished_time = now
@@ -72,7 +74,17 @@ class OutputProcessor:
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop
             if not isinstance(stop, str):  # emit bytes held back for an incomplete character
+                self.catch_up_text(seq)
                 seq.text += seq.detokenizer.flush()
+
+    @staticmethod
+    def catch_up_text(seq: Sequence) -> None:
+        """Detokenize the output tokens a deferred sequence (Sequence.defer_text) has not yet."""
+        start = seq.num_prompt_tokens + seq.text_tokens
+        if start < len(seq.token_ids):
+            add = seq.detokenizer.add
+            seq.text += "".join([add(t) for t in seq.token_ids[start:]])
+            seq.text_tokens = len(seq.token_ids) - seq.num_prompt_tokens
 
     @staticmethod
     def _check_stop_strings(seq: Sequence):
@@ -87,8 +99,10 @@ class OutputProcessor:
         seq.text = seq.text[:i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
         return "stop", s
 
-    @staticmethod
-    def make_output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    @classmethod
+    def make_output(cls, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        if seq.defer_text:
+            cls.catch_up_text(seq)
         # While a stop string could still be forming, hold back its possible prefix from the stream.
         finished = seq.is_finished
         stop = seq.params.stop

@@ -47,6 +47,10 @@ class Sequence:
         self.detokenizer = None
         self.text = ""
         self.sent_text_len = 0
+        # Output tokens in `text` so far. A final-only request with no stop strings needs its text
+        # only in its outputs: its tokens are detokenized when one is made, not in every step.
+        self.text_tokens = 0
+        self.defer_text = params.final_only and not params.stop
 
     @property
     def num_tokens(self) -> int:

@@ -214,6 +214,45 @@ def test_final_only_requests_get_one_output_equal_to_the_streamed_final(path, pr
     engine.block_manager.check_all_free()
 
 
+def test_final_only_text_is_decoded_when_an_output_is_made(path, prompts):
+    # A final-only request without stop strings decodes its tokens only when an output is made
+    # (its final one, or an abort's), not in every step; its text is the streamed request's,
+    # characters split across tokens and bytes held back to the end included.
+    engine = LLMEngine(path)
+    proc = engine.processor
+    ids = engine.tokenizer.encode("naïve café 世界 🙂 done", add_special_tokens=False)
+    ids += [engine.tokenizer.encode("🙂", add_special_tokens=False)[0]]   # ends inside a character
+    params = dict(max_tokens=len(ids), temperature=0, ignore_eos=True)
+    deferred = proc.new_sequence("d", prompts[0], SamplingParams(**params, final_only=True), 0.0)
+    streamed = proc.new_sequence("s", prompts[0], SamplingParams(**params), 0.0)
+    with_stop = proc.new_sequence("w", prompts[0], SamplingParams(**params, final_only=True, stop=["zzzz"]), 0.0)
+    assert deferred.defer_text and not streamed.defer_text and not with_stop.defer_text
+    half = len(ids) // 2
+    for t in ids[:half]:
+        for seq in (deferred, streamed, with_stop):
+            proc.append_token(seq, t, None, 0.0)
+    assert deferred.text == "" and deferred.text_tokens == 0      # nothing decoded in the steps
+    assert with_stop.text == streamed.text != ""                   # stop strings need the text each step
+    assert proc.make_output(deferred, []).text == streamed.text    # an output (an abort's) decodes
+    assert deferred.text_tokens == half
+    for t in ids[half:]:
+        for seq in (deferred, streamed, with_stop):
+            proc.append_token(seq, t, None, 0.0)
+    assert deferred.finish_reason == streamed.finish_reason == "length"
+    assert deferred.text == streamed.text == with_stop.text        # caught up before the final flush
+    assert streamed.text.endswith("\ufffd")                       # the held-back bytes, flushed
+    assert engine.tokenizer.decode(ids[:-1]) in streamed.text
+
+
+def test_generate_text_equals_the_streamed_text(path, prompts):
+    llm = LLM(path)
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=5, ignore_eos=True)
+    finals = {o.request_id: o for o in llm.generate_stream(prompts[:4], params) if o.finished}
+    outs = llm.generate(prompts[:4], params)
+    assert [o.text for o in outs] == [finals[k].text for k in sorted(finals, key=lambda k: int(k))]
+    assert all(o.text for o in outs)
+
+
 def test_generate_asks_for_final_outputs_only_and_leaves_params_alone(path, prompts, solo):
     llm = LLM(path)
     seen = []
