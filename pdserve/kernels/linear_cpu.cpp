@@ -61,7 +61,8 @@ constexpr AheadTiles kAheadFp32{2, kMinPrefetchTiles - 1};
 constexpr AheadTiles kAheadPairs{1, 4};
 
 // MT rows x NP panels over k in [k0, k1); accumulates into y (row stride ldy) unless first.
-template <typename W, int MT>
+// Ahead: prefetch pf.ahead k-steps on (a template argument: without it the loop has no branch for it).
+template <typename W, int MT, bool Ahead>
 inline void micro(const float* x, int64_t ldx, const W* w, int64_t panel_stride, float* y, int64_t ldy,
                   int64_t k0, int64_t k1, bool first, NextBlock& pf) {
   __m512 acc[MT][NP];
@@ -70,11 +71,9 @@ inline void micro(const float* x, int64_t ldx, const W* w, int64_t panel_stride,
       acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + j * PANEL);
   for (int64_t k = k0; k < k1; ++k) {
     pf.prefetch_one();
-    if constexpr (std::is_same_v<W, float>) {
-      if (pf.ahead)
-        for (int j = 0; j < NP; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(w + j * panel_stride + (k + pf.ahead) * PANEL), _MM_HINT_T2);
-    }
+    if constexpr (Ahead)
+      for (int j = 0; j < NP; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * panel_stride + (k + pf.ahead) * PANEL), _MM_HINT_T2);
     __m512 wv[NP];
     for (int j = 0; j < NP; ++j) wv[j] = load16<W>(w + j * panel_stride + k * PANEL);
     for (int m = 0; m < MT; ++m) {
@@ -211,7 +210,16 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad,
   for_each_tile(M, K, KB, Npad / (PANEL * NP), w, PANEL * int64_t(sizeof(W)), kAheadFp32,
                 [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1, NextBlock& pf) {
                   with_tile_height(mt, [&](auto MT) {
-                    micro<W, MT>(x + m * K, K, w + g * NP * ps, ps, out.tile(m, g), out.ld(), k0, k1, k0 == 0, pf);
+                    const auto run = [&](auto ahead) {
+                      micro<W, MT, decltype(ahead)::value>(x + m * K, K, w + g * NP * ps, ps, out.tile(m, g), out.ld(),
+                                                           k0, k1, k0 == 0, pf);
+                    };
+                    // the ahead prefetch is for fp32 weights (int8 measured without gain: perf/linear_labs/)
+                    if constexpr (std::is_same_v<W, float>) {
+                      if (pf.ahead) run(std::true_type{}); else run(std::false_type{});
+                    } else {
+                      run(std::false_type{});
+                    }
                   });
                   if (k1 == K) out.done(m, mt, g);
                 });
