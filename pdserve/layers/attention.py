@@ -68,15 +68,27 @@ def get_attention_metadata() -> AttentionMetadata:
     return _CONTEXT
 
 
+_NONE, _NONE_2D = torch.empty(0, dtype=torch.long), torch.empty(0, 0, dtype=torch.long)   # a group's absence
+
+
 def kernel_step(meta: AttentionMetadata):
     """A forward's metadata (CPU kernel groups) as one C++ AttentionStep, for the decoder stacks
-    of kernels/decoder_cpu.cpp: decodes first (rows first_row.., or their indices), prefill chunks."""
-    none = torch.empty(0, dtype=torch.long)
-    dec = next((g for g in meta.groups if g.q_lens is None), None)
-    pre = next((g for g in meta.groups if g.q_lens is not None), None)
-    decode = (none, none.view(0, 0), none) if dec is None else (dec.token_idx[:, 0], dec.block_tables, dec.ctx_lens)
-    first_row = -1 if dec is None or dec.first_row is None else dec.first_row
-    prefill = ((none, none, none.view(0, 0), none) if pre is None else
+    of kernels/decoder_cpu.cpp: decodes first (rows first_row.., or their indices), prefill chunks.
+    Each torch op here runs on the caches the last forward flushed (~10 us): the empty tensors are
+    made once, and decode rows that are one slice (first_row) need no index tensor."""
+    dec = pre = None
+    for g in meta.groups:
+        if g.q_lens is None:
+            dec = g
+        else:
+            pre = g
+    if dec is None:
+        first_row, decode = -1, (_NONE, _NONE_2D, _NONE)
+    elif dec.first_row is not None:
+        first_row, decode = dec.first_row, (_NONE, dec.block_tables, dec.ctx_lens)
+    else:
+        first_row, decode = -1, (dec.token_idx[:, 0], dec.block_tables, dec.ctx_lens)
+    prefill = ((_NONE, _NONE, _NONE_2D, _NONE) if pre is None else
                (pre.token_idx[:, 0], pre.q_lens, pre.block_tables, pre.ctx_lens))
     g = meta.groups[0]
     return cpu_ops().AttentionStep(meta.slot_mapping, first_row, *decode, *prefill, g.block_size, g.sliding_window or 0)
@@ -102,7 +114,8 @@ def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int, 
         shapes.append(_add_group_ints(ints, *g, block_size))
         B = len(g[0])
         sizes += [B, B, B, B * shapes[-1][1]]
-    parts = torch.frombuffer(array("q", ints), dtype=torch.long).to(device).split(sizes)
+    buf = torch.frombuffer(array("q", ints), dtype=torch.long)
+    parts = (buf.to(device) if with_mask else buf).split(sizes)   # the kernels' path is CPU only
     tensors, it = parts[:len(flat)], iter(parts[len(flat):])
     if with_mask:
         built = [_masked_group(*g, block_size, sliding_window, device) for g in groups]
