@@ -59,9 +59,10 @@ struct AheadTiles {
 };
 constexpr AheadTiles kAheadFp32{2, kMinPrefetchTiles - 1};
 constexpr AheadTiles kAheadPairs{1, 4};
+constexpr AheadTiles kNoAhead{1, 0};   // the widened bf16 and int8 tiles (int8 measured without gain)
 
 // MT rows x NP panels over k in [k0, k1); accumulates into y (row stride ldy) unless first.
-// Ahead: prefetch pf.ahead k-steps on (a template argument: without it the loop has no branch for it).
+// Ahead: prefetch pf.ahead k-steps on (with_ahead picks it).
 template <typename W, int MT, bool Ahead>
 inline void micro(const float* x, int64_t ldx, const W* w, int64_t panel_stride, float* y, int64_t ldy,
                   int64_t k0, int64_t k1, bool first, NextBlock& pf) {
@@ -97,6 +98,13 @@ inline void with_tile_height(int64_t mt, F&& f) {
     case 5: f(std::integral_constant<int, 5>{}); break;
     default: f(std::integral_constant<int, 6>{}); break;
   }
+}
+
+// f(std::bool_constant<on>{}): the micro kernels take the ahead prefetch as a template argument,
+// so that without it their loop has no branch for it.
+template <typename F>
+inline void with_ahead(bool on, F&& f) {
+  if (on) f(std::true_type{}); else f(std::false_type{});
 }
 
 // The blocking both products share. Row blocks of MB: decode (M <= MB) reads the weights once.
@@ -207,19 +215,13 @@ struct ArgmaxOut {
 template <typename W, typename Out>
 void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad, const Out& out) {
   const int64_t ps = K * PANEL;   // elements per panel
-  for_each_tile(M, K, KB, Npad / (PANEL * NP), w, PANEL * int64_t(sizeof(W)), kAheadFp32,
+  constexpr AheadTiles ahead = std::is_same_v<W, float> ? kAheadFp32 : kNoAhead;
+  for_each_tile(M, K, KB, Npad / (PANEL * NP), w, PANEL * int64_t(sizeof(W)), ahead,
                 [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1, NextBlock& pf) {
                   with_tile_height(mt, [&](auto MT) {
-                    const auto run = [&](auto ahead) {
-                      micro<W, MT, decltype(ahead)::value>(x + m * K, K, w + g * NP * ps, ps, out.tile(m, g), out.ld(),
-                                                           k0, k1, k0 == 0, pf);
-                    };
-                    // the ahead prefetch is for fp32 weights (int8 measured without gain: perf/linear_labs/)
-                    if constexpr (std::is_same_v<W, float>) {
-                      if (pf.ahead) run(std::true_type{}); else run(std::false_type{});
-                    } else {
-                      run(std::false_type{});
-                    }
+                    with_ahead(pf.ahead, [&](auto A) {
+                      micro<W, MT, A>(x + m * K, K, w + g * NP * ps, ps, out.tile(m, g), out.ld(), k0, k1, k0 == 0, pf);
+                    });
                   });
                   if (k1 == K) out.done(m, mt, g);
                 });
@@ -261,11 +263,9 @@ void linear_dp_impl(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, 
   for_each_tile(M, K / 2, KB / 2, Npad / (PANEL * NP), w, 2 * PANEL * 2, kAheadPairs,
                 [&](int64_t mt, int64_t m, int64_t g, int64_t k0, int64_t k1, NextBlock& pf) {
                   with_tile_height(mt, [&](auto MT) {
-                    const auto run = [&](auto ahead) {
-                      micro_dp<MT, decltype(ahead)::value>(x + m * K, K, w + g * NP * ps, ps, out.tile(m, g), out.ld(),
-                                                           k0, k1, k0 == 0, pf);
-                    };
-                    if (pf.ahead) run(std::true_type{}); else run(std::false_type{});
+                    with_ahead(pf.ahead, [&](auto A) {
+                      micro_dp<MT, A>(x + m * K, K, w + g * NP * ps, ps, out.tile(m, g), out.ld(), k0, k1, k0 == 0, pf);
+                    });
                   });
                   if (k1 == K / 2) out.done(m, mt, g);
                 });
