@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+#include <algorithm>
 #include <type_traits>
 
 namespace {
@@ -212,6 +213,58 @@ struct ArgmaxOut {
   }
 };
 
+// The screen of a screened argmax (packed_linear_argmax_screened): each column's bf16 dot product
+// A with an error radius E, such that the exact fp32 logit lies in [A - E, A + E]. Per thread and
+// row it keeps the largest lower bound seen so far and every column whose upper bound reaches it
+// then: a column whose upper bound reaches the final largest lower bound was kept when it came.
+struct ScreenOut {
+  struct Candidate {
+    int64_t col;
+    float hi;
+  };
+  float* scratch;                                  // threads x M x 64
+  std::vector<float>* lo_max;                      // threads x M
+  std::vector<std::vector<Candidate>>* kept;       // threads x M
+  int64_t M, n;
+  const float* col_norm;                           // ||W[c]||_2, rounded up (Npad)
+  const float *radius, *slack;                     // per row: E = radius * col_norm + slack + |A| 2^-21
+  float* tile(int64_t m, int64_t) const { return scratch + (at::get_thread_num() * M + m) * NP * PANEL; }
+  int64_t ld() const { return NP * PANEL; }
+  void done(int64_t m0, int64_t mt, int64_t g) const {
+    const int t = at::get_thread_num();
+    const int64_t c0 = g * NP * PANEL, valid = std::min<int64_t>(NP * PANEL, n - c0);
+    const __m512 rel = _mm512_set1_ps(0x1p-21f), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t m = m0; m < m0 + mt; ++m) {
+      const float* row = scratch + (t * M + m) * NP * PANEL;
+      const __m512 r = _mm512_set1_ps(radius[m]), sl = _mm512_set1_ps(slack[m]);
+      __m512 hi[NP], mx = ninf;
+      __mmask16 in[NP];
+      for (int j = 0; j < NP; ++j) {
+        in[j] = valid > j * PANEL ? pdserve::lanes(valid - j * PANEL) : 0;   // padding is never kept
+        const __m512 a = _mm512_maskz_loadu_ps(in[j], row + j * PANEL);
+        // |A| 2^-21 covers the fp32 rounding of these adds (the radius carries the rest, kernel docs)
+        const __m512 e = _mm512_fmadd_ps(r, _mm512_maskz_loadu_ps(in[j], col_norm + c0 + j * PANEL),
+                                         _mm512_fmadd_ps(_mm512_abs_ps(a), rel, sl));
+        hi[j] = _mm512_add_ps(a, e);
+        mx = _mm512_max_ps(mx, _mm512_mask_blend_ps(in[j], ninf, _mm512_sub_ps(a, e)));
+      }
+      float& lo = lo_max[t][m];
+      lo = std::max(lo, _mm512_reduce_max_ps(mx));
+      const __m512 lov = _mm512_set1_ps(lo);
+      for (int j = 0; j < NP; ++j) {
+        uint32_t keep = _mm512_mask_cmp_ps_mask(in[j], hi[j], lov, _CMP_GE_OQ);
+        if (!keep) continue;
+        alignas(64) float h[PANEL];
+        _mm512_store_ps(h, hi[j]);
+        for (; keep; keep &= keep - 1) {
+          const int l = __builtin_ctz(keep);
+          kept[t][m].push_back({c0 + j * PANEL + l, h[l]});
+        }
+      }
+    }
+  }
+};
+
 template <typename W, typename Out>
 void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad, const Out& out) {
   const int64_t ps = K * PANEL;   // elements per panel
@@ -356,6 +409,98 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch:
     for (int t = 0; t < threads; ++t)
       if (best[t][m].i >= 0 && b.beaten_by(best[t][m].v, best[t][m].i)) b = best[t][m];
     r[m] = b.i;
+  }
+  return result;
+}
+
+
+// Greedy's token from an fp32 lm_head, reading a bf16 copy of its weights instead of the fp32 ones
+// (half the bytes, twice the multiply-adds per instruction), with the same result as
+// packed_linear_argmax. The screen: every column's bf16 dot product A_c (x and W rounded to bf16,
+// AVX512-BF16) differs from the fp32 kernel's logit L_c by at most
+//   E_c = (2^-8 + 2^-17 + 3.2 gamma_K) ||x|| ||W[c]|| + (tiny terms for denormals and rounding),
+// gamma_K = K u / (1 - K u), u = 2^-24: each bf16 rounding moves a product by at most 2^-9 of
+// it, an fp32 sum of K products (the kernel's fma chain, or the dot products' adds) by at most
+// gamma_K of the sum of |products|, which is at most ||x|| ||W[c]|| (Cauchy-Schwarz). The argmax
+// c* has L_c* >= max_c (A_c - E_c), so it is among the columns with A_c + E_c >= that bound; those
+// (a handful: the runners-up within a few E of the best) get their exact logits, summed as the
+// fp32 kernel sums them (one fma chain over k from 0), and the first maximum wins. Rows with
+// non-finite or huge values, or too many candidates, fall back to packed_linear_argmax.
+// x: (M, K) fp32; packed: (Npad/16, K, 16) fp32; screen: (Npad/16, K/2, 32) bf16 k-pairs of the
+// same weights; col_norm: (Npad,) fp32 >= each column's norm (0 on padding), col_norm_max >= all
+// of them (finite weights: the layer builds no screen otherwise). counts, if not
+// empty: (M,) int64, the candidates each row checked exactly (-1: it fell back).
+torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packed, torch::Tensor screen,
+                                            torch::Tensor col_norm, double col_norm_max, int64_t n,
+                                            torch::Tensor counts) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (M, K) fp32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.scalar_type() == at::kFloat &&
+              packed.is_contiguous(), "bad packed fp32 weight");
+  const int64_t M = x.size(0), K = x.size(1), Npad = packed.size(0) * PANEL;
+  TORCH_CHECK(packed.size(1) == K && K % 2 == 0 && Npad % (PANEL * NP) == 0, "packed weight does not match x");
+  TORCH_CHECK(screen.dim() == 3 && screen.scalar_type() == at::kBFloat16 && screen.size(0) == packed.size(0) &&
+              screen.size(1) * 2 == K && screen.size(2) == 2 * PANEL && screen.is_contiguous(), "bad screen weight");
+  TORCH_CHECK(col_norm.scalar_type() == at::kFloat && col_norm.numel() == Npad && col_norm.is_contiguous(),
+              "bad col_norm");
+  TORCH_CHECK(n > 0 && n <= Npad, "n must be in [1, ", Npad, "]");
+  const bool counted = counts.defined() && counts.numel() > 0;
+  TORCH_CHECK(!counted || (counts.scalar_type() == at::kLong && counts.numel() == M), "bad counts");
+  auto fallback = [&]() {
+    if (counted) counts.fill_(-1);
+    return packed_linear_argmax(x, packed, torch::Tensor(), torch::Tensor(), n);
+  };
+  if (M == 0) return torch::empty({0}, torch::kLong);
+  const float* xp = x.data_ptr<float>();
+  const float* cn = col_norm.data_ptr<float>();
+  if (!(col_norm_max < 1e30)) return fallback();
+  const double cn_max = col_norm_max;
+  // 3.2 gamma, not 2: the dot products' adds may round other than to nearest (2u each, not u)
+  const double u = std::ldexp(1.0, -24), gamma = K * u / (1 - K * u);
+  const double rel = (std::ldexp(1.0, -8) + std::ldexp(1.0, -17) + 3.2 * gamma) * 1.0001;
+  std::vector<float> radius(M), slack(M);
+  for (int64_t m = 0; m < M; ++m) {
+    double ss = 0;
+    for (int64_t k = 0; k < K; ++k) ss += double(xp[m * K + k]) * xp[m * K + k];
+    const double xn = std::sqrt(ss) * (1 + 1e-6);
+    if (!(xn < 1e30 && xn * cn_max < 1e30)) return fallback();   // NaN, inf, or sums that may overflow
+    radius[m] = float(rel * xn * (1 + 1e-6));
+    // denormals: the dot products flush them (inputs and sums), bf16 keeps them with an absolute error
+    slack[m] = float(std::ldexp(double(K), -120) * (xn + cn_max + 1)) + 1e-37f;
+  }
+  const int threads = at::get_num_threads();
+  auto scratch = torch::empty({threads, M, NP * PANEL});
+  std::vector<std::vector<float>> lo_max(threads, std::vector<float>(M, -INFINITY));
+  std::vector<std::vector<std::vector<ScreenOut::Candidate>>> kept(threads, std::vector<std::vector<ScreenOut::Candidate>>(M));
+  const ScreenOut out{scratch.data_ptr<float>(), lo_max.data(), kept.data(), M, n, cn, radius.data(), slack.data()};
+  auto xb = x.to(at::kBFloat16);
+  linear_dp_impl(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K,
+                 reinterpret_cast<const uint16_t*>(screen.data_ptr<at::BFloat16>()), Npad, out);
+  constexpr size_t kMaxCandidates = 256;   // near-equal rows (an untrained model's flat logits): the full kernel
+  auto result = torch::empty({M}, torch::kLong);
+  auto r = result.data_ptr<int64_t>();
+  const float* w = packed.data_ptr<float>();
+  std::vector<int64_t> cols;
+  for (int64_t m = 0; m < M; ++m) {
+    float lo = -INFINITY;
+    for (int t = 0; t < threads; ++t) lo = std::max(lo, lo_max[t][m]);
+    if (!std::isfinite(lo)) return fallback();
+    cols.clear();
+    for (int t = 0; t < threads; ++t)
+      for (const auto& c : kept[t][m])
+        if (c.hi >= lo) cols.push_back(c.col);
+    if (cols.size() > kMaxCandidates) return fallback();
+    std::sort(cols.begin(), cols.end());
+    RowBest b;
+    for (int64_t c : cols) {   // the fp32 kernel's sum: acc = fma(x[k], W[c][k], acc), k ascending, from 0
+      const float* wc = w + (c / PANEL) * K * PANEL + c % PANEL;
+      float acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(xp[m * K + k], wc[k * PANEL], acc);
+      if (!std::isfinite(acc)) return fallback();
+      if (b.beaten_by(acc, c)) b = RowBest{acc, c};
+    }
+    TORCH_CHECK(b.i >= 0, "screened argmax kept no column");   // the column of the largest lower bound always stays
+    r[m] = b.i;
+    if (counted) counts.data_ptr<int64_t>()[m] = int64_t(cols.size());
   }
   return result;
 }

@@ -14,6 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_argmax", &packed_linear_argmax,
         "each row's argmax of x @ W^T (greedy sampling's token) without the logits (linear_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("packed_linear_argmax_screened", &packed_linear_argmax_screened,
+        "packed_linear_argmax of an fp32 W, screened on a bf16 copy and checked exactly (linear_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-query attention over the paged KV cache (attention_cpu.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("paged_prefill_attention", &paged_prefill_attention,

@@ -8,6 +8,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
 torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed);
 torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor bias,
                                    int64_t n);
+torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packed, torch::Tensor screen,
+                                            torch::Tensor col_norm, double col_norm_max, int64_t n,
+                                            torch::Tensor counts);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
                                      double scale, int64_t sliding_window);

@@ -14,6 +14,7 @@ from pdserve import hugepages
 from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
 
 PANEL, TILE = 16, 64   # channels per panel; the kernel works on 4 panels at a time
+_NO_COUNTS = torch.empty(0, dtype=torch.long)   # the screened argmax's per-row candidate counts: not wanted
 
 
 def pack_weight(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +37,15 @@ def pack_weight(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
     return hugepages.empty(src.shape, dtype=src.dtype).copy_(src), scale
 
 
+def column_norms(weight: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """(n_pad,) fp32 bounds on each row's L2 norm of an (N, K) weight: rounded up, 0 on padding."""
+    norms = torch.zeros(n_pad, dtype=torch.float64)
+    norms[:weight.shape[0]] = torch.linalg.vector_norm(weight.double(), dim=1) * (1 + 1e-6)
+    return norms.float()   # the fp32 rounding moves a value by less than the 1e-6 above
+
+
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, fmt: str):
+    def __init__(self, linear: nn.Linear, fmt: str, screen: bool = False):
         super().__init__()
         if fmt == "bf16" and linear.in_features % 2 == 0 and cpu_supports_bf16_dot():
             fmt = "bf16x2"
@@ -46,6 +54,15 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        # argmax screened on a bf16 copy (kernels/linear_cpu.cpp: packed_linear_argmax_screened): the
+        # lm_head of an fp32 model, where greedy steps then read half its bytes for the same tokens
+        self.screen = self.col_norm = None
+        if (screen and fmt == "fp32" and linear.bias is None and linear.in_features % 2 == 0
+                and cpu_supports_bf16_dot() and bool(torch.isfinite(linear.weight).all())):
+            self.screen = pack_weight(linear.weight.detach(), "bf16x2")[0]
+            self.col_norm = column_norms(linear.weight.detach(), packed.shape[0] * PANEL)
+            self.col_norm_max = float(self.col_norm.max())
+        self.use_screen = self.screen is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "bf16x2":
@@ -64,6 +81,9 @@ class PackedLinear(nn.Module):
         x = x.reshape(-1, self.in_features)
         if x.dtype != torch.float32:
             raise ValueError(f"argmax takes fp32 rows (logits of {x.dtype} rows are rounded), got {x.dtype}")
+        if self.use_screen:
+            return cpu_ops().packed_linear_argmax_screened(x.contiguous(), self.packed, self.screen, self.col_norm,
+                                                           self.col_norm_max, self.out_features, _NO_COUNTS)
         bias = torch.empty(0) if self.bias is None else self.bias.detach().float()
         return cpu_ops().packed_linear_argmax(x.contiguous(), self.packed, self.scale, bias, self.out_features)
 
@@ -98,8 +118,8 @@ class TiedPackedEmbedding(nn.Module):
 
 
 def pack_model(model: nn.Module, fmt: str, embed_name: str | None) -> nn.Module:
-    """Replace every nn.Linear by a PackedLinear; a tied embedding `embed_name` then reads the packed
-    lm_head. Frees each original weight as it goes, so peak memory grows by one matrix only."""
+    """Replace every nn.Linear by a PackedLinear (the lm_head with its argmax screen, where it has one);
+    a tied embedding `embed_name` then reads the packed lm_head. Frees each original weight as it goes, so peak memory grows by one matrix only."""
     tied = embed_name is not None
     dtype = next(model.parameters()).dtype
     # names, not modules: holding every nn.Linear in a list would keep all original weights alive
@@ -107,7 +127,7 @@ def pack_model(model: nn.Module, fmt: str, embed_name: str | None) -> nn.Module:
     for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, attr, PackedLinear(getattr(owner, attr), fmt))
+        setattr(owner, attr, PackedLinear(getattr(owner, attr), fmt, screen=name == "lm_head"))
     if tied:
         parent, _, attr = embed_name.rpartition(".")
         setattr(model.get_submodule(parent), attr, TiedPackedEmbedding(model.lm_head, dtype))
