@@ -413,7 +413,6 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch:
   return result;
 }
 
-
 // Greedy's token from an fp32 lm_head, reading a bf16 copy of its weights instead of the fp32 ones
 // (half the bytes, twice the multiply-adds per instruction), with the same result as
 // packed_linear_argmax. The screen: every column's bf16 dot product A_c (x and W rounded to bf16,
