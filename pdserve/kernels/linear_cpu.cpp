@@ -423,8 +423,9 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch:
 // gamma_K of the sum of |products|, which is at most ||x|| ||W[c]|| (Cauchy-Schwarz). The argmax
 // c* has L_c* >= max_c (A_c - E_c), so it is among the columns with A_c + E_c >= that bound; those
 // (a handful: the runners-up within a few E of the best) get their exact logits, summed as the
-// fp32 kernel sums them (one fma chain over k from 0), and the first maximum wins. Rows with
-// non-finite or huge values, or too many candidates, fall back to packed_linear_argmax.
+// fp32 kernel sums them (one fma chain over k from 0), and the first maximum wins. A batch with
+// non-finite or huge values falls back to packed_linear_argmax, and so do rows with too many
+// candidates (those rows only).
 // x: (M, K) fp32; packed: (Npad/16, K, 16) fp32; screen: (Npad/16, K/2, 32) bf16 k-pairs of the
 // same weights; col_norm: (Npad,) fp32 >= each column's norm (0 on padding), col_norm_max >= all
 // of them (finite weights: the layer builds no screen otherwise). counts, if not
@@ -474,11 +475,13 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
   auto xb = x.to(at::kBFloat16);
   linear_dp_impl(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K,
                  reinterpret_cast<const uint16_t*>(screen.data_ptr<at::BFloat16>()), Npad, out);
-  constexpr size_t kMaxCandidates = 256;   // near-equal rows (an untrained model's flat logits): the full kernel
+  // A row with more candidates (near-equal logits: an untrained model's flat ones) gets the full fp32
+  // argmax instead, all such rows in one call: checking ~1 us per candidate would cost more.
+  constexpr size_t kMaxCandidates = 512;
   auto result = torch::empty({M}, torch::kLong);
   auto r = result.data_ptr<int64_t>();
   const float* w = packed.data_ptr<float>();
-  std::vector<int64_t> cols;
+  std::vector<int64_t> cols, full_rows;
   for (int64_t m = 0; m < M; ++m) {
     float lo = -INFINITY;
     for (int t = 0; t < threads; ++t) lo = std::max(lo, lo_max[t][m]);
@@ -487,7 +490,11 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
     for (int t = 0; t < threads; ++t)
       for (const auto& c : kept[t][m])
         if (c.hi >= lo) cols.push_back(c.col);
-    if (cols.size() > kMaxCandidates) return fallback();
+    if (cols.size() > kMaxCandidates) {
+      full_rows.push_back(m);
+      if (counted) counts.data_ptr<int64_t>()[m] = -1;
+      continue;
+    }
     std::sort(cols.begin(), cols.end());
     RowBest b;
     for (int64_t c : cols) {   // the fp32 kernel's sum: acc = fma(x[k], W[c][k], acc), k ascending, from 0
@@ -500,6 +507,11 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
     TORCH_CHECK(b.i >= 0, "screened argmax kept no column");   // the column of the largest lower bound always stays
     r[m] = b.i;
     if (counted) counts.data_ptr<int64_t>()[m] = int64_t(cols.size());
+  }
+  if (!full_rows.empty()) {
+    auto idx = torch::tensor(full_rows, torch::kLong);
+    auto full = packed_linear_argmax(x.index_select(0, idx), packed, torch::Tensor(), torch::Tensor(), n);
+    for (size_t i = 0; i < full_rows.size(); ++i) r[full_rows[i]] = full.data_ptr<int64_t>()[i];
   }
   return result;
 }
