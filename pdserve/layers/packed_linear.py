@@ -56,7 +56,7 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         # argmax screened on a bf16 copy (kernels/linear_cpu.cpp: packed_linear_argmax_screened): the
         # lm_head of an fp32 model, where greedy steps then read half its bytes for the same tokens
-        self.screen = self.col_norm = None
+        self.screen, self.col_norm, self.col_norm_max = None, None, 0.0
         if (screen and fmt == "fp32" and linear.bias is None and linear.in_features % 2 == 0
                 and cpu_supports_bf16_dot() and bool(torch.isfinite(linear.weight).all())):
             self.screen = pack_weight(linear.weight.detach(), "bf16x2")[0]
@@ -118,8 +118,9 @@ class TiedPackedEmbedding(nn.Module):
 
 
 def pack_model(model: nn.Module, fmt: str, embed_name: str | None) -> nn.Module:
-    """Replace every nn.Linear by a PackedLinear (the lm_head with its argmax screen, where it has one);
-    a tied embedding `embed_name` then reads the packed lm_head. Frees each original weight as it goes, so peak memory grows by one matrix only."""
+    """Replace every nn.Linear by a PackedLinear (the lm_head with its argmax screen, where it can
+    have one); a tied embedding `embed_name` then reads the packed lm_head. Frees each original
+    weight as it goes, so peak memory grows by one matrix only."""
     tied = embed_name is not None
     dtype = next(model.parameters()).dtype
     # names, not modules: holding every nn.Linear in a list would keep all original weights alive
