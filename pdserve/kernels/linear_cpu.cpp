@@ -413,6 +413,33 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch:
   return result;
 }
 
+// The fp32 kernel's logits of columns `cols` (ascending) for one row x, into vals: a panel's 16
+// columns in one chain of vector fmas over k from 0, as the kernel's lanes sum them (each lane
+// acc = fma(x[k], W[c][k], acc)), four panels at a time so that the chains overlap.
+static void exact_logits(const float* x, const float* w, int64_t K, const std::vector<int64_t>& cols,
+                         std::vector<int64_t>& panels, std::vector<float>& vals) {
+  panels.clear();
+  for (int64_t c : cols)
+    if (panels.empty() || panels.back() != c / PANEL) panels.push_back(c / PANEL);
+  std::vector<float> lanes(panels.size() * PANEL);
+  for (size_t i = 0; i < panels.size(); i += 4) {
+    const size_t np = std::min<size_t>(4, panels.size() - i);
+    const float* pw[4];
+    for (size_t j = 0; j < 4; ++j) pw[j] = w + panels[i + (j < np ? j : 0)] * K * PANEL;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t k = 0; k < K; ++k) {
+      const __m512 xv = _mm512_set1_ps(x[k]);
+      for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(pw[j] + k * PANEL), acc[j]);
+    }
+    for (size_t j = 0; j < np; ++j) _mm512_storeu_ps(lanes.data() + (i + j) * PANEL, acc[j]);
+  }
+  vals.resize(cols.size());
+  for (size_t i = 0, p = 0; i < cols.size(); ++i) {
+    while (panels[p] != cols[i] / PANEL) ++p;
+    vals[i] = lanes[p * PANEL + cols[i] % PANEL];
+  }
+}
+
 // Greedy's token from an fp32 lm_head, reading a bf16 copy of its weights instead of the fp32 ones
 // (half the bytes, twice the multiply-adds per instruction), with the same result as
 // packed_linear_argmax. The screen: every column's bf16 dot product A_c (x and W rounded to bf16,
@@ -423,7 +450,7 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch:
 // gamma_K of the sum of |products|, which is at most ||x|| ||W[c]|| (Cauchy-Schwarz). The argmax
 // c* has L_c* >= max_c (A_c - E_c), so it is among the columns with A_c + E_c >= that bound; those
 // (a handful: the runners-up within a few E of the best) get their exact logits, summed as the
-// fp32 kernel sums them (one fma chain over k from 0), and the first maximum wins. A batch with
+// fp32 kernel sums them (exact_logits), and the first maximum wins. A batch with
 // non-finite or huge values falls back to packed_linear_argmax, and so do rows with too many
 // candidates (those rows only).
 // x: (M, K) fp32; packed: (Npad/16, K, 16) fp32; screen: (Npad/16, K/2, 32) bf16 k-pairs of the
@@ -476,12 +503,13 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
   linear_dp_impl(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K,
                  reinterpret_cast<const uint16_t*>(screen.data_ptr<at::BFloat16>()), Npad, out);
   // A row with more candidates (near-equal logits: an untrained model's flat ones) gets the full fp32
-  // argmax instead, all such rows in one call: checking ~1 us per candidate would cost more.
+  // argmax instead, all such rows in one call: checking them one panel at a time would cost more.
   constexpr size_t kMaxCandidates = 512;
   auto result = torch::empty({M}, torch::kLong);
   auto r = result.data_ptr<int64_t>();
   const float* w = packed.data_ptr<float>();
-  std::vector<int64_t> cols, full_rows;
+  std::vector<int64_t> cols, full_rows, panels;
+  std::vector<float> vals;
   for (int64_t m = 0; m < M; ++m) {
     float lo = -INFINITY;
     for (int t = 0; t < threads; ++t) lo = std::max(lo, lo_max[t][m]);
@@ -496,13 +524,11 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
       continue;
     }
     std::sort(cols.begin(), cols.end());
+    exact_logits(xp + m * K, w, K, cols, panels, vals);
     RowBest b;
-    for (int64_t c : cols) {   // the fp32 kernel's sum: acc = fma(x[k], W[c][k], acc), k ascending, from 0
-      const float* wc = w + (c / PANEL) * K * PANEL + c % PANEL;
-      float acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc = std::fma(xp[m * K + k], wc[k * PANEL], acc);
-      if (!std::isfinite(acc)) return fallback();
-      if (b.beaten_by(acc, c)) b = RowBest{acc, c};
+    for (size_t i = 0; i < cols.size(); ++i) {
+      if (!std::isfinite(vals[i])) return fallback();
+      if (b.beaten_by(vals[i], cols[i])) b = RowBest{vals[i], cols[i]};
     }
     TORCH_CHECK(b.i >= 0, "screened argmax kept no column");   // the column of the largest lower bound always stays
     r[m] = b.i;

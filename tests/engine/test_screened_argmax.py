@@ -69,6 +69,21 @@ def test_exact_logits_overrule_the_bf16_ones():
     assert _run(_screened(w), x)[0].tolist() == [10, 10, 10]
 
 
+def test_exact_logits_of_many_candidates_across_panels():
+    """40 columns bf16 cannot tell apart, one per panel, 40 panels (the exact pass sums four panels at
+    a time, 16 columns each): the one that fp32 ranks first must win, wherever its lane is."""
+    torch.manual_seed(4)
+    sign = torch.where(torch.rand(64) < 0.5, -1.0, 1.0)
+    w = torch.randn(3000, 64) * 0.1
+    cols = list(range(3, 3000, 73))[:40]
+    x = sign.repeat(2, 1)
+    for target in (cols[0], cols[17], cols[-1]):
+        w[cols] = sign
+        w[target] = sign * (1 + 0.49 * 2 ** -7)
+        got, counts = _run(_screened(w), x)
+        assert got.tolist() == [target, target] and (counts >= 40).all()
+
+
 def test_ties_go_to_the_first_index():
     """Equal columns in one group, another group and the other thread's half: the first wins."""
     torch.manual_seed(1)
