@@ -107,7 +107,7 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
   // to share: its keys and values are then read as whole contiguous slots, which the hardware
   // prefetcher follows (a head's part of a slot is a strided read).
   const int64_t parts = std::clamp<int64_t>((2 * at::get_num_threads() + B - 1) / B, 1, Hkv);
-  // one thread for small work (see linear_cpu.cpp)
+  // one thread for small work (see packed_tiles.h)
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += ctx[b];
   const int64_t bytes_per_task = std::max<int64_t>(1, total / B * 2 * row / parts * int64_t(sizeof(T)));

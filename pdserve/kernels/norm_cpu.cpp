@@ -11,7 +11,7 @@ namespace {
 
 using pdserve::lanes;
 
-constexpr int64_t kMinParallelBytes = 256 << 10;   // smaller: one thread (see linear_cpu.cpp)
+constexpr int64_t kMinParallelBytes = 256 << 10;   // smaller: one thread (see packed_tiles.h)
 
 
 // y = w * x / sqrt(mean(x^2) + eps) for one row of n; with add, x is first replaced by x + r

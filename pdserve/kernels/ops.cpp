@@ -12,10 +12,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ W^T, bf16 x and W in k-pair panels, AVX512-BF16 dot products (linear_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear_argmax", &packed_linear_argmax,
-        "each row's argmax of x @ W^T (greedy sampling's token) without the logits (linear_cpu.cpp)",
+        "each row's argmax of x @ W^T (greedy sampling's token) without the logits (argmax_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear_argmax_screened", &packed_linear_argmax_screened,
-        "packed_linear_argmax of an fp32 W, screened on a bf16 copy and checked exactly (linear_cpu.cpp)",
+        "packed_linear_argmax of an fp32 W, screened on a bf16 copy and checked exactly (argmax_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-query attention over the paged KV cache (attention_cpu.cpp)", py::call_guard<py::gil_scoped_release>());

@@ -30,7 +30,7 @@ using pdserve::load16;
 
 constexpr int KT = 16;                          // keys per tile: one zmm of scores
 constexpr int64_t kTargetRows = 256;            // query rows (positions x heads) per work item: 64 and 128 measured 5-7% slower
-constexpr double kMinParallelFlops = 4e6;       // less than this: one thread (see linear_cpu.cpp)
+constexpr double kMinParallelFlops = 4e6;       // less than this: one thread (see packed_tiles.h)
 
 struct Work { int64_t b, kvh, q0, q1; };        // sequence, kv head, query offsets [q0, q1)
 

@@ -54,7 +54,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        # argmax screened on a bf16 copy (kernels/linear_cpu.cpp: packed_linear_argmax_screened): the
+        # argmax screened on a bf16 copy (kernels/argmax_cpu.cpp: packed_linear_argmax_screened): the
         # lm_head of an fp32 model, where greedy steps then read half its bytes for the same tokens
         self.screen, self.col_norm, self.col_norm_max = None, None, 0.0
         if (screen and fmt == "fp32" and linear.bias is None and linear.in_features % 2 == 0
