@@ -24,23 +24,33 @@ struct RowBest {
   }
 };
 
-struct ArgmaxOut {
+// What both argmax policies share: each thread's tiles go to its own scratch block (M x 64, the
+// group's columns), read back in done() once their last k-block is in; of a group's 64 columns
+// the first `valid` are real (the rest is padding, never a result).
+struct ThreadScratch {
   float* scratch;                    // threads x M x 64
-  std::vector<RowBest>* best;        // threads x M
-  int64_t M, n;                      // rows; valid columns (the rest is padding)
-  const float *scale, *bias;         // per column (scale: Npad, bias: n), or null
-  float* tile(int64_t m, int64_t) const { return scratch + (at::get_thread_num() * M + m) * NP * PANEL; }
+  int64_t M, n;                      // rows; valid columns
+  float* tile(int64_t m, int64_t) const { return row(at::get_thread_num(), m); }
   int64_t ld() const { return NP * PANEL; }
+  float* row(int t, int64_t m) const { return scratch + (t * M + m) * NP * PANEL; }
+  int64_t valid(int64_t c0) const { return std::min<int64_t>(NP * PANEL, n - c0); }
+  // lanes of panel j that hold real columns
+  static __mmask16 in(int64_t valid, int j) { return valid > j * PANEL ? pdserve::lanes(valid - j * PANEL) : 0; }
+};
+
+struct ArgmaxOut : ThreadScratch {
+  std::vector<RowBest>* best;        // threads x M
+  const float *scale, *bias;         // per column (scale: Npad, bias: n), or null
   void done(int64_t m0, int64_t mt, int64_t g) const {
     const int t = at::get_thread_num();
-    const int64_t c0 = g * NP * PANEL, valid = std::min<int64_t>(NP * PANEL, n - c0);
+    const int64_t c0 = g * NP * PANEL, valid = this->valid(c0);
     for (int64_t m = m0; m < m0 + mt; ++m) {
-      const float* row = scratch + (t * M + m) * NP * PANEL;
+      const float* row = this->row(t, m);
       RowBest& b = best[t][m];
       __m512 v[NP], mx = _mm512_set1_ps(-INFINITY);
       __mmask16 nan = 0;
       for (int j = 0; j < NP; ++j) {
-        const __mmask16 in = valid > j * PANEL ? pdserve::lanes(valid - j * PANEL) : 0;   // padding never wins
+        const __mmask16 in = ThreadScratch::in(valid, j);   // padding never wins
         v[j] = _mm512_maskz_loadu_ps(in, row + j * PANEL);
         if (scale) {
           v[j] = _mm512_mul_ps(v[j], _mm512_maskz_loadu_ps(in, scale + c0 + j * PANEL));
@@ -67,30 +77,26 @@ struct ArgmaxOut {
 // A with an error radius E, such that the exact fp32 logit lies in [A - E, A + E]. Per thread and
 // row it keeps the largest lower bound seen so far and every column whose upper bound reaches it
 // then: a column whose upper bound reaches the final largest lower bound was kept when it came.
-struct ScreenOut {
+struct ScreenOut : ThreadScratch {
   struct Candidate {
     int64_t col;
     float hi;
   };
-  float* scratch;                                  // threads x M x 64
   std::vector<float>* lo_max;                      // threads x M
   std::vector<std::vector<Candidate>>* kept;       // threads x M
-  int64_t M, n;
   const float* col_norm;                           // ||W[c]||_2, rounded up (Npad)
   const float *radius, *slack;                     // per row: E = radius * col_norm + slack + |A| 2^-21
-  float* tile(int64_t m, int64_t) const { return scratch + (at::get_thread_num() * M + m) * NP * PANEL; }
-  int64_t ld() const { return NP * PANEL; }
   void done(int64_t m0, int64_t mt, int64_t g) const {
     const int t = at::get_thread_num();
-    const int64_t c0 = g * NP * PANEL, valid = std::min<int64_t>(NP * PANEL, n - c0);
+    const int64_t c0 = g * NP * PANEL, valid = this->valid(c0);
     const __m512 rel = _mm512_set1_ps(0x1p-21f), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t m = m0; m < m0 + mt; ++m) {
-      const float* row = scratch + (t * M + m) * NP * PANEL;
+      const float* row = this->row(t, m);
       const __m512 r = _mm512_set1_ps(radius[m]), sl = _mm512_set1_ps(slack[m]);
       __m512 hi[NP], mx = ninf;
       __mmask16 in[NP];
       for (int j = 0; j < NP; ++j) {
-        in[j] = valid > j * PANEL ? pdserve::lanes(valid - j * PANEL) : 0;   // padding is never kept
+        in[j] = ThreadScratch::in(valid, j);   // padding is never kept
         const __m512 a = _mm512_maskz_loadu_ps(in[j], row + j * PANEL);
         // |A| 2^-21 covers the fp32 rounding of these adds (the radius carries the rest, kernel docs)
         const __m512 e = _mm512_fmadd_ps(r, _mm512_maskz_loadu_ps(in[j], col_norm + c0 + j * PANEL),
@@ -138,7 +144,7 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch:
   const int threads = at::get_num_threads();
   auto scratch = torch::empty({threads, M, NP * PANEL});
   std::vector<std::vector<RowBest>> best(threads, std::vector<RowBest>(M));
-  const ArgmaxOut out{scratch.data_ptr<float>(), best.data(), M, n, scaled ? scale.data_ptr<float>() : nullptr,
+  const ArgmaxOut out{{scratch.data_ptr<float>(), M, n}, best.data(), scaled ? scale.data_ptr<float>() : nullptr,
                       biased ? bias.data_ptr<float>() : nullptr};
   if (pairs) {
     auto xb = x.to(at::kBFloat16);
@@ -230,7 +236,6 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
   const float* xp = x.data_ptr<float>();
   const float* cn = col_norm.data_ptr<float>();
   if (!(col_norm_max < 1e30)) return fallback();
-  const double cn_max = col_norm_max;
   // 3.2 gamma, not 2: the dot products' adds may round other than to nearest (2u each, not u)
   const double u = std::ldexp(1.0, -24), gamma = K * u / (1 - K * u);
   const double rel = (std::ldexp(1.0, -8) + std::ldexp(1.0, -17) + 3.2 * gamma) * 1.0001;
@@ -239,16 +244,16 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
     double ss = 0;
     for (int64_t k = 0; k < K; ++k) ss += double(xp[m * K + k]) * xp[m * K + k];
     const double xn = std::sqrt(ss) * (1 + 1e-6);
-    if (!(xn < 1e30 && xn * cn_max < 1e30)) return fallback();   // NaN, inf, or sums that may overflow
+    if (!(xn < 1e30 && xn * col_norm_max < 1e30)) return fallback();   // NaN, inf, or sums that may overflow
     radius[m] = float(rel * xn * (1 + 1e-6));
     // denormals: the dot products flush them (inputs and sums), bf16 keeps them with an absolute error
-    slack[m] = float(std::ldexp(double(K), -120) * (xn + cn_max + 1)) + 1e-37f;
+    slack[m] = float(std::ldexp(double(K), -120) * (xn + col_norm_max + 1)) + 1e-37f;
   }
   const int threads = at::get_num_threads();
   auto scratch = torch::empty({threads, M, NP * PANEL});
   std::vector<std::vector<float>> lo_max(threads, std::vector<float>(M, -INFINITY));
   std::vector<std::vector<std::vector<ScreenOut::Candidate>>> kept(threads, std::vector<std::vector<ScreenOut::Candidate>>(M));
-  const ScreenOut out{scratch.data_ptr<float>(), lo_max.data(), kept.data(), M, n, cn, radius.data(), slack.data()};
+  const ScreenOut out{{scratch.data_ptr<float>(), M, n}, lo_max.data(), kept.data(), cn, radius.data(), slack.data()};
   auto xb = x.to(at::kBFloat16);
   linear_dp_impl(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K,
                  reinterpret_cast<const uint16_t*>(screen.data_ptr<at::BFloat16>()), Npad, out);

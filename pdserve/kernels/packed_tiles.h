@@ -61,15 +61,28 @@ constexpr AheadTiles kAheadFp32{2, kMinPrefetchTiles - 1};
 constexpr AheadTiles kAheadPairs{1, 4};
 constexpr AheadTiles kNoAhead{1, 0};   // the widened bf16 and int8 tiles (int8 measured without gain)
 
+// A tile's MT x NP accumulators: zero on its first k-block, else the partial sums in y (row stride
+// ldy) that the tile's previous k-block stored there.
+template <int MT>
+inline void load_acc(__m512 (&acc)[MT][NP], const float* y, int64_t ldy, bool first) {
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NP; ++j)
+      acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + j * PANEL);
+}
+
+template <int MT>
+inline void store_acc(const __m512 (&acc)[MT][NP], float* y, int64_t ldy) {
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + j * PANEL, acc[m][j]);
+}
+
 // MT rows x NP panels over k in [k0, k1); accumulates into y (row stride ldy) unless first.
 // Ahead: prefetch pf.ahead k-steps on (with_ahead picks it).
 template <typename W, int MT, bool Ahead>
 inline void micro(const float* x, int64_t ldx, const W* w, int64_t panel_stride, float* y, int64_t ldy,
                   int64_t k0, int64_t k1, bool first, NextBlock& pf) {
   __m512 acc[MT][NP];
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NP; ++j)
-      acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + j * PANEL);
+  load_acc<MT>(acc, y, ldy, first);
   for (int64_t k = k0; k < k1; ++k) {
     pf.prefetch_one();
     if constexpr (Ahead)
@@ -82,8 +95,7 @@ inline void micro(const float* x, int64_t ldx, const W* w, int64_t panel_stride,
       for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + j * PANEL, acc[m][j]);
+  store_acc<MT>(acc, y, ldy);
 }
 
 // f(std::integral_constant<int, MT>{}) for a row tile of mt = MT rows, 1 <= mt <= 6: the micro
@@ -184,9 +196,7 @@ template <int MT, bool Ahead>
 inline void micro_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, float* y, int64_t ldy,
                      int64_t kp0, int64_t kp1, bool first, NextBlock& pf) {
   __m512 acc[MT][NP];
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NP; ++j)
-      acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + j * PANEL);
+  load_acc<MT>(acc, y, ldy, first);
   for (int64_t kp = kp0; kp < kp1; ++kp) {
     pf.prefetch_one();
     if constexpr (Ahead)
@@ -201,8 +211,7 @@ inline void micro_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
       for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + j * PANEL, acc[m][j]);
+  store_acc<MT>(acc, y, ldy);
 }
 
 // The same blocking as linear_impl, over k-pairs.
