@@ -39,6 +39,10 @@ class OutputProcessor:
                                f"context length of {limit} tokens", param="max_tokens")
         seq = Sequence(request_id, ids, params, arrival_time)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        # what _check_stop looks for, folded: a token that can stop it, the length it stops at
+        # (within the context limit: checked above)
+        seq.stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.tokenizer.eos_token_ids)
+        seq.max_len = n + m
         return seq
 
     def append_token(self, seq: Sequence, token: int, logprobs: dict | None, now: float) -> None:
@@ -53,9 +57,13 @@ class OutputProcessor:
         if not seq.defer_text:
             seq.text += seq.detokenizer.add(token)
             seq.text_tokens += 1
-        self._check_stop(seq, token)
-        if seq.finish_reason is not None:
-            m.finished_time = now
+        # Most tokens stop nothing: only a stop token id, the length limit or a stop string can
+        # (sequences not made by new_sequence have no stop_ids: always checked in full).
+        stop_ids = seq.stop_ids
+        if stop_ids is None or token in stop_ids or len(seq.token_ids) >= seq.max_len or seq.params.stop:
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                m.finished_time = now
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

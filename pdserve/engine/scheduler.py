@@ -69,11 +69,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         prefill_budget = None   # set when the first prefill is reached: decodes are all placed by then
-        scheduled: set[int] = set()
-        # Decodes first, so a long prompt never stalls them; then unfinished prefill chunks.
+        # Decodes first, so a long prompt never stalls them; then unfinished prefill chunks. (Between
+        # two forwards this runs on cold caches, microseconds a sequence: Sequence.is_prefill is
+        # inlined, and the block manager is called only when the last block is full.)
         decodes, prefills = [], []
         for seq in self.running:
-            (prefills if seq.is_prefill else decodes).append(seq)
+            (prefills if seq.num_computed_tokens < seq.prefill_len else decodes).append(seq)
         running = SequenceStatus.RUNNING
         block_size = self.block_manager.block_size
         for seq in decodes + prefills:
@@ -81,18 +82,18 @@ class Scheduler:
                 break
             if seq.status is not running:   # preempted earlier in this loop
                 continue
-            prefill = seq.is_prefill
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            computed = seq.num_computed_tokens
+            prefill = computed < seq.prefill_len
+            n = min(len(seq.token_ids) - computed, budget)
             if prefill:
                 if prefill_budget is None:
                     prefill_budget = self._prefill_budget(out, budget)
                 if prefill_budget == 0:
                     break
                 n = min(n, prefill_budget)
-            # Between two forwards this runs on cold caches (microseconds a call): the block manager
-            # only when the last block is full (for a decode, one step in block_size).
-            if seq.num_computed_tokens + n > len(seq.block_table) * block_size:
-                while not self.block_manager.try_allocate(seq, seq.num_computed_tokens + n):
+            if computed + n > len(seq.block_table) * block_size:   # for a decode, one step in block_size
+                while not self.block_manager.try_allocate(seq, computed + n):
+                    scheduled = set(map(id, out.seqs))
                     victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
                     self._preempt(victim)
                     out.preempted.append(victim)
@@ -104,7 +105,6 @@ class Scheduler:
                 seq.metrics.num_prefill_steps += 1
                 prefill_budget -= n
             out.add(seq, n, prefill)
-            scheduled.add(id(seq))
             budget -= n
         # Admit waiting requests (preempted ones are at the front) while budget, seats and blocks last.
         # Not in a step that had to preempt: the cache is full, admitting would only thrash.

@@ -41,6 +41,10 @@ class Sequence:
                             and params.repetition_penalty == 1.0 and not params.presence_penalty
                             and not params.frequency_penalty)
         self.final_only = params.final_only   # read per step: one attribute, not two
+        # set by OutputProcessor.new_sequence: the token ids that can stop it (eos unless ignored,
+        # stop_token_ids) and the length it stops at (prompt + max_tokens)
+        self.stop_ids: frozenset[int] | None = None
+        self.max_len = 0
         # per-request RNG: a seeded request samples the same tokens whatever else is in the batch
         self.generator: torch.Generator | None = None
         # set by the OutputProcessor: generated text so far, and how much of it was streamed

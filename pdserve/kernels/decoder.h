@@ -6,15 +6,24 @@
 
 namespace pdserve {
 
-// One step's paged-attention metadata, as the kernel groups of layers/attention.py hold it. Decodes:
-// rows decode_first_row.. (or decode_rows if it is -1), their block tables and context lengths
-// (0 rows: none). Prefill chunks: as paged_prefill_attention takes them (0 rows: none).
+// One step's paged-attention metadata for the CPU kernels. Decodes: rows decode_first_row.. (or
+// decode_rows if it is -1), their block tables and context lengths (0 rows: none). Prefill chunks:
+// as paged_prefill_attention takes them (0 rows: none). Every tensor is a view of one int64 buffer
+// that layers/attention.py's build_metadata fills (from_buffer gives the layout): between two
+// forwards each Python-made tensor costs microseconds on cold caches, a view made here does not.
 struct AttentionStep {
   torch::Tensor slot_mapping;
   int64_t decode_first_row;
   torch::Tensor decode_rows, decode_tables, decode_ctx;
   torch::Tensor prefill_starts, prefill_q_lens, prefill_tables, prefill_ctx;
   int64_t block_size, sliding_window;
+
+  // buf from `offset`: slot_mapping (num_tokens); decode_ctx (num_decodes), decode_tables (num_decodes x
+  // decode_blocks), decode_rows (num_decodes, only if decode_first_row is -1); prefill_starts,
+  // prefill_q_lens, prefill_ctx (num_prefills each), prefill_tables (num_prefills x prefill_blocks).
+  static AttentionStep from_buffer(const torch::Tensor& buf, int64_t offset, int64_t num_tokens, int64_t num_decodes,
+                                   int64_t decode_blocks, int64_t decode_first_row, int64_t num_prefills,
+                                   int64_t prefill_blocks, int64_t block_size, int64_t sliding_window);
 };
 
 // Each layer's tensors, in these orders (models/llama.py and models/opt.py build the lists). A

@@ -63,6 +63,32 @@ std::optional<torch::Tensor> maybe(const torch::Tensor& t) {
 
 }  // namespace
 
+AttentionStep AttentionStep::from_buffer(const torch::Tensor& buf, int64_t offset, int64_t num_tokens,
+                                         int64_t num_decodes, int64_t decode_blocks, int64_t decode_first_row,
+                                         int64_t num_prefills, int64_t prefill_blocks, int64_t block_size,
+                                         int64_t sliding_window) {
+  TORCH_CHECK(buf.dim() == 1 && buf.scalar_type() == at::kLong && buf.is_contiguous(), "buf must be 1-D int64");
+  auto next = [&](int64_t n) {
+    TORCH_CHECK(offset + n <= buf.size(0), "the step's metadata runs past its buffer");
+    auto t = buf.narrow(0, offset, n);
+    offset += n;
+    return t;
+  };
+  AttentionStep s;
+  s.slot_mapping = next(num_tokens);
+  s.decode_first_row = decode_first_row;
+  s.decode_ctx = next(num_decodes);
+  s.decode_tables = next(num_decodes * decode_blocks).view({num_decodes, decode_blocks});
+  s.decode_rows = next(decode_first_row < 0 ? num_decodes : 0);
+  s.prefill_starts = next(num_prefills);
+  s.prefill_q_lens = next(num_prefills);
+  s.prefill_ctx = next(num_prefills);
+  s.prefill_tables = next(num_prefills * prefill_blocks).view({num_prefills, prefill_blocks});
+  s.block_size = block_size;
+  s.sliding_window = sliding_window;
+  return s;
+}
+
 LlamaStack::LlamaStack(std::vector<std::vector<torch::Tensor>> layers, torch::Tensor final_norm, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), H_(num_heads), Hkv_(num_kv_heads),

@@ -3,6 +3,35 @@
 #include "decoder.h"
 #include "ops.h"
 
+namespace {
+
+// build_metadata's (layers/attention.py) one call for the CPU kernels' path: the step's integers,
+// a Python list, copied into one int64 tensor (~3 ns an element; array() and torch.frombuffer take
+// ~60 on the caches a forward leaves). From it: num_flat per-token lists of num_tokens each, the
+// last the slot mapping, then AttentionStep::from_buffer's layout. Returns the views of the
+// other flat lists (input ids, positions) and the step.
+py::tuple step_from_ints(const py::list& ints, int64_t num_flat, int64_t num_tokens, int64_t num_decodes,
+                         int64_t decode_blocks, int64_t decode_first_row, int64_t num_prefills, int64_t prefill_blocks,
+                         int64_t block_size, int64_t sliding_window) {
+  const auto n = static_cast<int64_t>(PyList_GET_SIZE(ints.ptr()));
+  auto buf = torch::empty({n}, torch::kLong);
+  int64_t* p = buf.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = PyLong_AsLongLong(PyList_GET_ITEM(ints.ptr(), i));
+    if (p[i] == -1 && PyErr_Occurred()) throw py::error_already_set();
+  }
+  auto step = pdserve::AttentionStep::from_buffer(buf, (num_flat - 1) * num_tokens, num_tokens, num_decodes,
+                                                  decode_blocks, decode_first_row, num_prefills, prefill_blocks,
+                                                  block_size, sliding_window);
+  TORCH_CHECK(step.prefill_tables.data_ptr<int64_t>() + step.prefill_tables.numel() == p + n,
+              "the step's integers do not match its layout");
+  py::list flat;
+  for (int64_t f = 0; f + 1 < num_flat; ++f) flat.append(buf.narrow(0, f * num_tokens, num_tokens));
+  return py::make_tuple(flat, step);
+}
+
+}  // namespace
+
 // All release the GIL while they run, as torch's own ops do: the server's asyncio thread keeps
 // answering (/health, refusals, streaming) while the engine thread computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -30,9 +59,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_cached_bytes", &pdserve::pool_cached_bytes,
         "bytes of freed big outputs the kernels keep for reuse (buffer_pool.cpp)");
   py::class_<pdserve::AttentionStep>(m, "AttentionStep", "one step's paged-attention metadata (decoder.h)")
-      .def(py::init<torch::Tensor, int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                    torch::Tensor, torch::Tensor, int64_t, int64_t>())
-      .def_readonly("decode_first_row", &pdserve::AttentionStep::decode_first_row);
+      .def_static("from_ints", &step_from_ints,
+                  "(the flat lists before the slot mapping as tensors, the step) from one list (see step_from_ints)")
+      .def_readonly("slot_mapping", &pdserve::AttentionStep::slot_mapping)
+      .def_readonly("decode_first_row", &pdserve::AttentionStep::decode_first_row)
+      .def_readonly("decode_rows", &pdserve::AttentionStep::decode_rows)
+      .def_readonly("decode_tables", &pdserve::AttentionStep::decode_tables)
+      .def_readonly("decode_ctx", &pdserve::AttentionStep::decode_ctx)
+      .def_readonly("prefill_starts", &pdserve::AttentionStep::prefill_starts)
+      .def_readonly("prefill_q_lens", &pdserve::AttentionStep::prefill_q_lens)
+      .def_readonly("prefill_tables", &pdserve::AttentionStep::prefill_tables)
+      .def_readonly("prefill_ctx", &pdserve::AttentionStep::prefill_ctx)
+      .def_readonly("block_size", &pdserve::AttentionStep::block_size)
+      .def_readonly("sliding_window", &pdserve::AttentionStep::sliding_window);
   py::class_<pdserve::LlamaStack>(m, "LlamaStack", "a Llama-family decoder stack in one call (decoder_cpu.cpp)")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, int64_t, int64_t, int64_t, int64_t, double,
                     double>())

@@ -9,7 +9,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.layers.activation import SiluAndMul
 from pdserve.kernels import cpu_ops
-from pdserve.layers.attention import PagedAttention, get_attention_metadata, kernel_step
+from pdserve.layers.attention import PagedAttention, get_attention_metadata
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
@@ -94,7 +94,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.stack is not None:
             rope = self.rotary.lookup(positions, torch.float32)
-            return self.stack.forward(x.float().contiguous(), rope.cos, rope.sin, kernel_step(get_attention_metadata()))
+            return self.stack.forward(x.float().contiguous(), rope.cos, rope.sin, get_attention_metadata().step)
         rope = self.rotary.lookup(positions, x.dtype)   # once per forward, shared by every layer
         residual = None
         for layer in self.layers:

@@ -6,7 +6,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.kernels import cpu_ops
-from pdserve.layers.attention import PagedAttention, get_attention_metadata, kernel_step
+from pdserve.layers.attention import PagedAttention, get_attention_metadata
 from pdserve.layers.merged_linear import MergedLinear
 
 # OPT's learned position table has two extra leading rows (a fairseq padding convention).
@@ -90,7 +90,7 @@ class OPTDecoder(nn.Module):
             x = self.project_in(x)
         x = x + self.embed_positions(positions + POSITION_OFFSET)
         if self.stack is not None:   # fp32 inside; the final norm and project_out in the model's dtype
-            x = self.stack.forward(x.float().contiguous(), kernel_step(get_attention_metadata())).to(x.dtype)
+            x = self.stack.forward(x.float().contiguous(), get_attention_metadata().step).to(x.dtype)
         else:
             for layer in self.layers:
                 x = layer(x)

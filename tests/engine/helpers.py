@@ -112,8 +112,8 @@ def attention_torch_and_kernels(H, Hkv, D, block_size, window, dtype, q_lens, ct
         _, meta = build_metadata([slots], [([q_lens[i] for i in g], [starts[i] for i in g], [ctx_lens[i] for i in g],
                                             [tables[i] for i in g]) for g in groups if g],
                                  block_size, window, "cpu", with_mask=with_mask)
-        # no mask is what sends a group to the kernels (the layer has no other path for it)
-        assert all((g.mask is None) == (not with_mask) for g in meta.groups)
+        # a C++ step is what sends the groups to the kernels (the layer has no other path for it)
+        assert (meta.step is None) == with_mask and (not meta.groups) == (not with_mask)
         with attention_context(meta):
             return layer(q, k, v)
     return run(True), run(False)

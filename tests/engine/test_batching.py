@@ -5,6 +5,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.layers.attention import attention_context
 from tests.engine.helpers import corpus_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -149,10 +150,30 @@ def test_prepare_flattens_decodes_and_chunks_alike(path):
     assert positions.tolist() == [p for _, p in rows]
     assert meta.slot_mapping.tolist() == [bm.slot(seq, p) for seq, p in rows]
     assert logit_rows == [0, 13, 14, 15] and sample_seqs == sched.seqs[:1] + sched.seqs[2:]
-    decodes = next(g for g in meta.groups if g.token_idx.shape[1] == 1 and g.q_lens is None)
-    assert decodes.token_idx[:, 0].tolist() == [0, 14, 15] and decodes.ctx_lens.tolist() == [9, 11, 6]
+    # the one-token rows are not all at the front: the kernels get them by index
+    step = meta.step
+    assert step.decode_first_row == -1 and step.decode_rows.tolist() == [0, 14, 15]
+    assert step.decode_ctx.tolist() == [9, 11, 6]
+    padded = [seq.block_table + [0] * (3 - len(seq.block_table)) for seq in sched.seqs]   # 3 blocks: 9 and 11 keys
+    assert step.decode_tables.tolist() == [padded[0], padded[3], padded[4]]
+    assert step.prefill_starts.tolist() == [1, 7] and step.prefill_q_lens.tolist() == [6, 7]
+    assert step.prefill_ctx.tolist() == [9, 7] and step.prefill_tables.tolist() == padded[1:3]
     for seq in sched.seqs:
         bm.free(seq)
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_a_step_builds_no_autograd_graph(path, prompts, cpu_kernels):
+    # execute() runs outside inference_mode (entering one costs ~30 us a step): the loader must
+    # leave no parameter requiring a gradient, or every forward would record a graph
+    engine = LLMEngine(path, cpu_kernels=cpu_kernels)
+    runner = engine.runner
+    assert not any(p.requires_grad for p in runner.model.parameters())
+    engine.add_request("a", prompts[0], GREEDY)
+    input_ids, positions, meta, logit_rows, _ = runner.prepare(engine.scheduler.schedule(0.0))
+    with attention_context(meta):
+        hidden = runner.model(input_ids, positions)
+    assert not hidden.requires_grad and not runner.model.compute_logits(hidden[logit_rows]).requires_grad
 
 
 def test_kv_cache_sizing(path):
