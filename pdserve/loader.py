@@ -89,10 +89,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Mo
     if missing:
         raise CheckpointError(f"{files[0]}: missing tensor {missing[0]!r}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    # Inference only: with no parameter needing a gradient no op builds an autograd graph, so a
-    # step needs no inference_mode() around it (entering and leaving one costs ~30 us between two
-    # forwards, whose weight stream leaves torch's code cold).
-    return model.eval().requires_grad_(False)
+    return model.eval()
 
 
 def stacked_target(model: torch.nn.Module, name: str) -> tuple[str, int | None]:

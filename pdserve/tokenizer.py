@@ -268,12 +268,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one generated id; returns the newly completed text (may be "")."""
-        if self._pieces is not None:
-            self._pending += self._pieces[token_id]
-            if not self._pending:
-                return ""
-            new_text = self._pending.decode("utf-8", "replace")
-            return "" if new_text.endswith("\ufffd") else self._emit(new_text)
+        if self._pieces is not None:   # (inlined: this runs per token and stream in every step)
+            pending = self._pending + self._pieces[token_id]
+            if pending:
+                new_text = pending.decode("utf-8", "replace")
+                if not new_text.endswith("\ufffd"):   # whole characters: emit (no id window here)
+                    self._pending = b""
+                    self.text += new_text
+                    return new_text
+            self._pending = pending
+            return ""
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[:self.read_offset])
         new_text = self._decode(self.ids)

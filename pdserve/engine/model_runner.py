@@ -126,10 +126,10 @@ class ModelRunner:
             self.device, with_mask=not self.attention_kernels)
         return input_ids_t, positions_t, meta, logit_rows, sample_seqs
 
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput):
         """Run the step. Returns [(seq, token, logprobs)] for the sequences that sample.
-        Times its phases into last_times (prepare, forward, sample), in seconds. No autograd
-        context: the loader leaves no parameter requiring a gradient (loader.load_model)."""
+        Times its phases into last_times (prepare, forward, sample), in seconds."""
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_rows, sample_seqs = self.prepare(sched)
         t1 = self._now()

@@ -18,9 +18,9 @@ struct AttentionStep {
   torch::Tensor prefill_starts, prefill_q_lens, prefill_tables, prefill_ctx;
   int64_t block_size, sliding_window;
 
-  // buf from `offset`: slot_mapping (num_tokens); decode_ctx (num_decodes), decode_tables (num_decodes x
-  // decode_blocks), decode_rows (num_decodes, only if decode_first_row is -1); prefill_starts,
-  // prefill_q_lens, prefill_ctx (num_prefills each), prefill_tables (num_prefills x prefill_blocks).
+  // buf from `offset`: slot_mapping (num_tokens); decode_ctx (num_decodes), decode_rows (num_decodes,
+  // only if decode_first_row is -1); prefill_starts, prefill_q_lens, prefill_ctx (num_prefills each);
+  // decode_tables (num_decodes x decode_blocks), prefill_tables (num_prefills x prefill_blocks).
   static AttentionStep from_buffer(const torch::Tensor& buf, int64_t offset, int64_t num_tokens, int64_t num_decodes,
                                    int64_t decode_blocks, int64_t decode_first_row, int64_t num_prefills,
                                    int64_t prefill_blocks, int64_t block_size, int64_t sliding_window);

@@ -78,11 +78,11 @@ AttentionStep AttentionStep::from_buffer(const torch::Tensor& buf, int64_t offse
   s.slot_mapping = next(num_tokens);
   s.decode_first_row = decode_first_row;
   s.decode_ctx = next(num_decodes);
-  s.decode_tables = next(num_decodes * decode_blocks).view({num_decodes, decode_blocks});
   s.decode_rows = next(decode_first_row < 0 ? num_decodes : 0);
   s.prefill_starts = next(num_prefills);
   s.prefill_q_lens = next(num_prefills);
   s.prefill_ctx = next(num_prefills);
+  s.decode_tables = next(num_decodes * decode_blocks).view({num_decodes, decode_blocks});
   s.prefill_tables = next(num_prefills * prefill_blocks).view({num_prefills, prefill_blocks});
   s.block_size = block_size;
   s.sliding_window = sliding_window;

@@ -1,29 +1,50 @@
 // Python bindings of pdserve's CPU kernels (one extension, built on first use).
 #include <torch/extension.h>
+#include <algorithm>
+#include <utility>
 #include "decoder.h"
 #include "ops.h"
 
 namespace {
 
-// build_metadata's (layers/attention.py) one call for the CPU kernels' path: the step's integers,
-// a Python list, copied into one int64 tensor (~3 ns an element; array() and torch.frombuffer take
-// ~60 on the caches a forward leaves). From it: num_flat per-token lists of num_tokens each, the
-// last the slot mapping, then AttentionStep::from_buffer's layout. Returns the views of the
-// other flat lists (input ids, positions) and the step.
-py::tuple step_from_ints(const py::list& ints, int64_t num_flat, int64_t num_tokens, int64_t num_decodes,
-                         int64_t decode_blocks, int64_t decode_first_row, int64_t num_prefills, int64_t prefill_blocks,
-                         int64_t block_size, int64_t sliding_window) {
+// build_metadata's (layers/attention.py) one call for the CPU kernels' path. ints: the step's
+// integers but its block tables, a Python list: num_flat per-token lists of num_tokens each (the
+// last the slot mapping), then AttentionStep::from_buffer's layout up to the tables. The tables
+// (lists of block ids) are cut or padded with block 0 to decode_blocks and prefill_blocks here.
+// All of it goes into one int64 tensor, viewed in C++: on the caches a forward leaves, array(),
+// torch.frombuffer and a split into views took ~60 us at batch 32, each Python-made tensor several.
+// Returns the views of the flat lists before the slot mapping (input ids, positions) and the step.
+py::tuple step_from_ints(const py::list& ints, const py::list& decode_tables, const py::list& prefill_tables,
+                         int64_t num_flat, int64_t num_tokens, int64_t num_decodes, int64_t decode_blocks,
+                         int64_t decode_first_row, int64_t num_prefills, int64_t prefill_blocks, int64_t block_size,
+                         int64_t sliding_window) {
+  TORCH_CHECK(PyList_GET_SIZE(decode_tables.ptr()) == num_decodes &&
+              PyList_GET_SIZE(prefill_tables.ptr()) == num_prefills, "one block table per sequence");
   const auto n = static_cast<int64_t>(PyList_GET_SIZE(ints.ptr()));
-  auto buf = torch::empty({n}, torch::kLong);
+  auto buf = torch::empty({n + num_decodes * decode_blocks + num_prefills * prefill_blocks}, torch::kLong);
   int64_t* p = buf.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    p[i] = PyLong_AsLongLong(PyList_GET_ITEM(ints.ptr(), i));
-    if (p[i] == -1 && PyErr_Occurred()) throw py::error_already_set();
+  auto copy = [&](PyObject* list, int64_t count) {   // list[:count] to p, as int64
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t v = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      *p++ = v;
+    }
+  };
+  copy(ints.ptr(), n);
+  for (const auto& [tables, width] : {std::pair(decode_tables.ptr(), decode_blocks),
+                                      std::pair(prefill_tables.ptr(), prefill_blocks)}) {
+    for (Py_ssize_t b = 0; b < PyList_GET_SIZE(tables); ++b) {
+      PyObject* table = PyList_GET_ITEM(tables, b);
+      TORCH_CHECK(PyList_Check(table), "a block table must be a list");
+      const int64_t have = std::min<int64_t>(PyList_GET_SIZE(table), width);
+      copy(table, have);
+      p = std::fill_n(p, width - have, int64_t{0});
+    }
   }
   auto step = pdserve::AttentionStep::from_buffer(buf, (num_flat - 1) * num_tokens, num_tokens, num_decodes,
                                                   decode_blocks, decode_first_row, num_prefills, prefill_blocks,
                                                   block_size, sliding_window);
-  TORCH_CHECK(step.prefill_tables.data_ptr<int64_t>() + step.prefill_tables.numel() == p + n,
+  TORCH_CHECK(step.prefill_tables.data_ptr<int64_t>() + step.prefill_tables.numel() == p,
               "the step's integers do not match its layout");
   py::list flat;
   for (int64_t f = 0; f + 1 < num_flat; ++f) flat.append(buf.narrow(0, f * num_tokens, num_tokens));
@@ -60,7 +81,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bytes of freed big outputs the kernels keep for reuse (buffer_pool.cpp)");
   py::class_<pdserve::AttentionStep>(m, "AttentionStep", "one step's paged-attention metadata (decoder.h)")
       .def_static("from_ints", &step_from_ints,
-                  "(the flat lists before the slot mapping as tensors, the step) from one list (see step_from_ints)")
+                  "(the flat lists before the slot mapping as tensors, the step) from the step's lists (see step_from_ints)")
       .def_readonly("slot_mapping", &pdserve::AttentionStep::slot_mapping)
       .def_readonly("decode_first_row", &pdserve::AttentionStep::decode_first_row)
       .def_readonly("decode_rows", &pdserve::AttentionStep::decode_rows)

@@ -72,10 +72,10 @@ def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int, 
     the slot mapping. groups: (q_lens, starts, ctx_lens, block_tables) of each group, whose sequences
     have q_lens queries starting at flat index starts and a cached context of ctx_lens tokens after
     this step; a group of one-query sequences is the decodes. The CPU kernels need no mask and no
-    padding (with_mask=False): every integer of the step then goes into one list, which one C++
-    call copies into an int64 buffer and views as the flat tensors and an AttentionStep. Between
-    two forwards each torch call runs cold: array() + frombuffer + split into views cost ~75 us at
-    batch 32 there, the one call ~20."""
+    padding (with_mask=False): the step's integers then go into one list, which one C++ call copies
+    with the block tables (cut or padded there) into an int64 buffer and views as the flat tensors
+    and an AttentionStep. Between two forwards each torch call runs cold: array(), frombuffer and
+    a split into views cost ~60 us at batch 32 there (perf/step_inputs/)."""
     if with_mask:
         ints, sizes = [], []
         for x in flat:
@@ -95,24 +95,22 @@ def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int, 
             dec = g
         else:
             pre = g
-    num_dec = nb_dec = num_pre = nb_pre = 0
-    first_row = -1
+    dec_tables, pre_tables, nb_dec, nb_pre, first_row = [], [], 0, 0, -1
     if dec is not None:
-        _, starts, ctx_lens, tables = dec
-        num_dec = len(starts)
+        _, starts, ctx_lens, dec_tables = dec
         ints += ctx_lens
-        nb_dec = _add_tables(ints, tables, max(ctx_lens), block_size)
-        if starts[-1] - starts[0] == num_dec - 1:   # rows first_row..: a slice, not an index op
+        nb_dec = (max(ctx_lens) + block_size - 1) // block_size
+        if starts[-1] - starts[0] == len(starts) - 1:   # rows first_row..: a slice, not an index op
             first_row = starts[0]
         else:
             ints += starts
     if pre is not None:
-        q_lens, starts, ctx_lens, tables = pre
-        num_pre = len(starts)
+        q_lens, starts, ctx_lens, pre_tables = pre
         ints += starts + q_lens + ctx_lens
-        nb_pre = _add_tables(ints, tables, max(ctx_lens), block_size)
-    tensors, step = cpu_ops().AttentionStep.from_ints(ints, len(flat), T, num_dec, nb_dec, first_row, num_pre, nb_pre,
-                                                      block_size, sliding_window or 0)
+        nb_pre = (max(ctx_lens) + block_size - 1) // block_size
+    tensors, step = cpu_ops().AttentionStep.from_ints(ints, dec_tables, pre_tables, len(flat), T, len(dec_tables),
+                                                      nb_dec, first_row, len(pre_tables), nb_pre, block_size,
+                                                      sliding_window or 0)
     slots = step.slot_mapping
     return tensors + [slots], AttentionMetadata(slots, [], step)
 

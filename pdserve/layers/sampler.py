@@ -30,8 +30,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: (len(seqs), V), modified in place (they are this step's scratch), needing no grad:
-        the model's parameters require none (loader.load_model), and a no_grad decorator here costs
-        1.7 us warm, more between two forwards, where this runs on cold caches."""
+        callers run in inference mode (a no_grad decorator here costs 1.7 us warm, more between two
+        forwards, where this runs on cold caches)."""
         if logits.dtype != torch.float32:
             logits = logits.float()
         if all(s.argmax_only for s in seqs):

@@ -5,7 +5,6 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.layers.attention import attention_context
 from tests.engine.helpers import corpus_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -160,20 +159,6 @@ def test_prepare_flattens_decodes_and_chunks_alike(path):
     assert step.prefill_ctx.tolist() == [9, 7] and step.prefill_tables.tolist() == padded[1:3]
     for seq in sched.seqs:
         bm.free(seq)
-
-
-@pytest.mark.parametrize("cpu_kernels", [True, False])
-def test_a_step_builds_no_autograd_graph(path, prompts, cpu_kernels):
-    # execute() runs outside inference_mode (entering one costs ~30 us a step): the loader must
-    # leave no parameter requiring a gradient, or every forward would record a graph
-    engine = LLMEngine(path, cpu_kernels=cpu_kernels)
-    runner = engine.runner
-    assert not any(p.requires_grad for p in runner.model.parameters())
-    engine.add_request("a", prompts[0], GREEDY)
-    input_ids, positions, meta, logit_rows, _ = runner.prepare(engine.scheduler.schedule(0.0))
-    with attention_context(meta):
-        hidden = runner.model(input_ids, positions)
-    assert not hidden.requires_grad and not runner.model.compute_logits(hidden[logit_rows]).requires_grad
 
 
 def test_kv_cache_sizing(path):
