@@ -171,13 +171,14 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch:
 
 // The fp32 kernel's logits of columns `cols` (ascending) for one row x, into vals: a panel's 16
 // columns in one chain of vector fmas over k from 0, as the kernel's lanes sum them (each lane
-// acc = fma(x[k], W[c][k], acc)), four panels at a time so that the chains overlap.
+// acc = fma(x[k], W[c][k], acc)), four panels at a time so that the chains overlap. panels and
+// lanes are scratch the caller keeps across rows.
 static void exact_logits(const float* x, const float* w, int64_t K, const std::vector<int64_t>& cols,
-                         std::vector<int64_t>& panels, std::vector<float>& vals) {
+                         std::vector<int64_t>& panels, std::vector<float>& lanes, std::vector<float>& vals) {
   panels.clear();
   for (int64_t c : cols)
     if (panels.empty() || panels.back() != c / PANEL) panels.push_back(c / PANEL);
-  std::vector<float> lanes(panels.size() * PANEL);
+  lanes.resize(panels.size() * PANEL);
   for (size_t i = 0; i < panels.size(); i += 4) {
     const size_t np = std::min<size_t>(4, panels.size() - i);
     const float* pw[4];
@@ -264,7 +265,7 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
   auto r = result.data_ptr<int64_t>();
   const float* w = packed.data_ptr<float>();
   std::vector<int64_t> cols, full_rows, panels;
-  std::vector<float> vals;
+  std::vector<float> lanes, vals;
   for (int64_t m = 0; m < M; ++m) {
     float lo = -INFINITY;
     for (int t = 0; t < threads; ++t) lo = std::max(lo, lo_max[t][m]);
@@ -279,7 +280,7 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
       continue;
     }
     std::sort(cols.begin(), cols.end());
-    exact_logits(xp + m * K, w, K, cols, panels, vals);
+    exact_logits(xp + m * K, w, K, cols, panels, lanes, vals);
     RowBest b;
     for (size_t i = 0; i < cols.size(); ++i) {
       if (!std::isfinite(vals[i])) return fallback();
