@@ -1,15 +1,15 @@
 # batch-1 decode step of the 0.5B model against its linears alone (same kernels, same order, x
 # random), alternating in one process: what the step spends outside the weight stream
-import time, statistics, torch
+import os, sys, time, statistics, torch
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
 from pdserve.kernels import cpu_ops
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "linear_labs"))
+from model_linears import layer_linears   # the labs' shared setup
 e = LLMEngine("/work/q05")
 mm = e.runner.model
 ops = cpu_ops()
-mods = []
-for l in mm.model.layers:
-    mods += [l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj]
+mods = layer_linears(mm)
 head = mm.lm_head
 e.add_request("a", list(range(5, 133)), SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, final_only=True))
 while e.scheduler.waiting or any(s.is_prefill for s in e.scheduler.running):

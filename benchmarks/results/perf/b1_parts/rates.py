@@ -1,14 +1,15 @@
-# streaming rate of each kind of weight read at batch 1, cold (a 1 GiB read between calls), and a read probe
-import time, statistics, torch
+# streaming rate of each kind of weight read at batch 1, cold (1 GiB read and written between kinds), and a read probe
+import os, sys, time, statistics, torch
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kernels import cpu_ops
 from pdserve.benchmarks import machine_limits
 e = LLMEngine("/work/q05")
 mm = e.runner.model
 ops = cpu_ops()
-L = mm.model.layers
-kinds = {"qkv": [l.self_attn.qkv_proj for l in L], "o": [l.self_attn.o_proj for l in L],
-         "gate_up": [l.mlp.gate_up_proj for l in L], "down": [l.mlp.down_proj for l in L]}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "linear_labs"))
+from model_linears import layer_linears   # the labs' shared setup: qkv, o, gate_up, down per layer
+mods = layer_linears(mm)
+kinds = {name: mods[i::4] for i, name in enumerate(("qkv", "o", "gate_up", "down"))}
 head = mm.lm_head
 flush = torch.empty(256 << 20, dtype=torch.float32)
 probe = machine_limits.probe_array(1 << 30)

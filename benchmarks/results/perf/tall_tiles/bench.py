@@ -2,14 +2,11 @@ import os, sys, tempfile, time, statistics, torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 from torch.utils.cpp_extension import load
 tall = load("tall_lab", [os.path.join(HERE, "tall.cpp")], extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"], extra_ldflags=["-lgomp"], build_directory=tempfile.mkdtemp(), verbose=False)
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kernels import cpu_ops
-eng = LLMEngine("/work/q05")
-mm = eng.runner.model
+sys.path.insert(0, os.path.join(HERE, "..", "linear_labs"))
+from model_linears import model_linears   # the labs' shared setup: the 0.5B model's layer linears
 ops = cpu_ops()
-mods = []
-for l in mm.model.layers:
-    mods += [l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj]
+mods = model_linears()
 print(mods[0].packed.shape, mods[0].packed.dtype, mods[0].fmt)
 # correctness
 x = torch.randn(16, mods[2].in_features)
