@@ -76,6 +76,12 @@ inline void store_acc(const __m512 (&acc)[MT][NP], float* y, int64_t ldy) {
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + j * PANEL, acc[m][j]);
 }
 
+// The ahead prefetch of a tile's NP panels: each panel's line at element offset `at`.
+template <typename T>
+inline void prefetch_panels(const T* w, int64_t panel_stride, int64_t at) {
+  for (int j = 0; j < NP; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * panel_stride + at), _MM_HINT_T2);
+}
+
 // MT rows x NP panels over k in [k0, k1); accumulates into y (row stride ldy) unless first.
 // Ahead: prefetch pf.ahead k-steps on (with_ahead picks it).
 template <typename W, int MT, bool Ahead>
@@ -85,9 +91,7 @@ inline void micro(const float* x, int64_t ldx, const W* w, int64_t panel_stride,
   load_acc<MT>(acc, y, ldy, first);
   for (int64_t k = k0; k < k1; ++k) {
     pf.prefetch_one();
-    if constexpr (Ahead)
-      for (int j = 0; j < NP; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * panel_stride + (k + pf.ahead) * PANEL), _MM_HINT_T2);
+    if constexpr (Ahead) prefetch_panels(w, panel_stride, (k + pf.ahead) * PANEL);
     __m512 wv[NP];
     for (int j = 0; j < NP; ++j) wv[j] = load16<W>(w + j * panel_stride + k * PANEL);
     for (int m = 0; m < MT; ++m) {
@@ -199,9 +203,7 @@ inline void micro_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
   load_acc<MT>(acc, y, ldy, first);
   for (int64_t kp = kp0; kp < kp1; ++kp) {
     pf.prefetch_one();
-    if constexpr (Ahead)
-      for (int j = 0; j < NP; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * panel_stride + (kp + pf.ahead) * 2 * PANEL), _MM_HINT_T2);
+    if constexpr (Ahead) prefetch_panels(w, panel_stride, (kp + pf.ahead) * 2 * PANEL);
     __m512bh wv[NP];
     for (int j = 0; j < NP; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_stride + kp * 2 * PANEL);
     for (int m = 0; m < MT; ++m) {
