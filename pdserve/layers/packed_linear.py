@@ -17,8 +17,10 @@ PANEL, TILE = 16, 64   # channels per panel; the kernel works on 4 panels at a t
 _NO_COUNTS = torch.empty(0, dtype=torch.long)   # the screened argmax's per-row candidate counts: not wanted
 
 
-def pack_weight(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) weight -> (packed (Npad/16, K, 16), scale (Npad,) or empty) in format fp32|bf16|int8."""
+def pack_weight(weight: torch.Tensor, fmt: str,
+                arena: hugepages.Arena | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weight -> (packed (Npad/16, K, 16), scale (Npad,) or empty) in format fp32|bf16|int8;
+    packed in `arena` if given, else in a huge-page allocation of its own."""
     N, K = weight.shape
     n_pad = -(-N // TILE) * TILE
     w = torch.zeros(n_pad, K, dtype=torch.float32)
@@ -34,7 +36,8 @@ def pack_weight(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
     else:
         src = w.view(n_pad // PANEL, PANEL, K).transpose(1, 2)
     # streamed once per decode step: on huge pages (pdserve/hugepages.py)
-    return hugepages.empty(src.shape, dtype=src.dtype).copy_(src), scale
+    packed = arena.empty(src.shape, src.dtype) if arena is not None else hugepages.empty(src.shape, dtype=src.dtype)
+    return packed.copy_(src), scale
 
 
 def column_norms(weight: torch.Tensor, n_pad: int) -> torch.Tensor:
@@ -45,12 +48,12 @@ def column_norms(weight: torch.Tensor, n_pad: int) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, fmt: str, screen: bool = False):
+    def __init__(self, linear: nn.Linear, fmt: str, screen: bool = False, arena: hugepages.Arena | None = None):
         super().__init__()
         if fmt == "bf16" and linear.in_features % 2 == 0 and cpu_supports_bf16_dot():
             fmt = "bf16x2"
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
-        packed, scale = pack_weight(linear.weight.detach(), fmt)
+        packed, scale = pack_weight(linear.weight.detach(), fmt, arena)
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -59,7 +62,7 @@ class PackedLinear(nn.Module):
         self.screen, self.col_norm, self.col_norm_max = None, None, 0.0
         if (screen and fmt == "fp32" and linear.bias is None and linear.in_features % 2 == 0
                 and cpu_supports_bf16_dot() and bool(torch.isfinite(linear.weight).all())):
-            self.screen = pack_weight(linear.weight.detach(), "bf16x2")[0]
+            self.screen = pack_weight(linear.weight.detach(), "bf16x2", arena)[0]
             self.col_norm = column_norms(linear.weight.detach(), packed.shape[0] * PANEL)
             self.col_norm_max = float(self.col_norm.max())
         self.use_screen = self.screen is not None
@@ -120,15 +123,17 @@ class TiedPackedEmbedding(nn.Module):
 def pack_model(model: nn.Module, fmt: str, embed_name: str | None) -> nn.Module:
     """Replace every nn.Linear by a PackedLinear (the lm_head with its argmax screen, where it can
     have one); a tied embedding `embed_name` then reads the packed lm_head. Frees each original
-    weight as it goes, so peak memory grows by one matrix only."""
+    weight as it goes, so peak memory grows by one matrix only. The packed weights share one
+    arena: all on huge pages, not only each one's aligned middle (pdserve/hugepages.py)."""
     tied = embed_name is not None
     dtype = next(model.parameters()).dtype
+    arena = hugepages.Arena()
     # names, not modules: holding every nn.Linear in a list would keep all original weights alive
     # until the loop ends (peak memory: the whole model twice)
     for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, attr, PackedLinear(getattr(owner, attr), fmt, screen=name == "lm_head"))
+        setattr(owner, attr, PackedLinear(getattr(owner, attr), fmt, screen=name == "lm_head", arena=arena))
     if tied:
         parent, _, attr = embed_name.rpartition(".")
         setattr(model.get_submodule(parent), attr, TiedPackedEmbedding(model.lm_head, dtype))

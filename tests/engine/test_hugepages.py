@@ -72,3 +72,31 @@ def test_kv_cache_is_marked_and_zeroed(tiny_llama):
     cache = LLMEngine(tiny_llama, kv_cache_memory=32 << 20).runner.kv_cache
     assert _eligible(_middle(cache))
     assert not cache.any()
+
+
+def test_arena_places_tensors_aligned_in_huge_page_chunks():
+    arena = hugepages.Arena()
+    a = arena.empty((3, 5), torch.float32)          # 60 bytes: the next one starts 64 bytes on
+    b = arena.empty((1000,), torch.bfloat16)
+    big = arena.empty((hugepages.Arena.CHUNK + 1,), torch.uint8)   # larger than a chunk: one of its own
+    c = arena.empty((7,), torch.int8)
+    assert a.data_ptr() % hugepages.HUGE == 0
+    assert b.data_ptr() == a.data_ptr() + 64
+    assert big.data_ptr() % hugepages.HUGE == 0 and big.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    assert c.data_ptr() == big.data_ptr() + -(-(hugepages.Arena.CHUNK + 1) // 64) * 64
+    for t in (a, b, c):
+        t.fill_(3)
+        assert (t == 3).all() and t.is_contiguous()
+    assert _eligible(a.data_ptr()) and _eligible(b.data_ptr()) and _eligible(c.data_ptr())
+    assert (a == 3).all()   # c's writes went to the big chunk, not over a
+
+
+def test_small_packed_weights_are_on_huge_pages(tiny_llama):
+    # Each of this model's packed weights is smaller than a huge page: allocated alone, none would
+    # be marked. pack_model puts them in one arena.
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.layers.packed_linear import PackedLinear
+    model = LLMEngine(tiny_llama, kv_cache_memory=8 << 20).runner.model
+    packed = [m.packed for m in model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(p.numel() * p.element_size() < hugepages.HUGE for p in packed)
+    assert all(_eligible(p.data_ptr()) for p in packed)
