@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from pdserve.errors import RequestError
 
 
-@dataclass
+@dataclass(slots=True)   # read per sequence in every step: slots, not a dict
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0          # 0 = greedy

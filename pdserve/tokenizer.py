@@ -249,6 +249,8 @@ class IncrementalDetokenizer:
     """
 
     CONTEXT = 5  # prompt tokens kept as left context for the first window
+    # one per request, touched every step: slots, not a dict
+    __slots__ = ("tokenizer", "skip_special_tokens", "text", "_pieces", "_pending", "ids", "read_offset")
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer

@@ -2,7 +2,7 @@
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)   # one per request, touched every step: no dict
 class RequestMetrics:
     """Wall-clock timestamps (time.perf_counter seconds) of one request's life."""
     arrival_time: float
@@ -68,46 +68,57 @@ class ListPrefix:
         self.items, self.start, self.stop = items, start, stop
 
 
-class _CopiedOnRead:
-    """A dataclass field that may be set to a ListPrefix: reading it gives (and keeps) the copy."""
-
-    def __set_name__(self, owner, name):
-        self.attr = "_" + name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            raise AttributeError   # tells the dataclass the field has no default
-        value = getattr(obj, self.attr)
-        if type(value) is ListPrefix:
-            value = value.items[value.start:value.stop]
-            setattr(obj, self.attr, value)
-        return value
-
-    def __set__(self, obj, value):
-        setattr(obj, self.attr, value)
+def _copied(value):
+    """A ListPrefix's items as a list (anything else as it is)."""
+    return value.items[value.start:value.stop] if type(value) is ListPrefix else value
 
 
-@dataclass
 class RequestOutput:
     """The state of one request after a step. `new_*` is what this output adds to the request's
-    previous one: this step's token, or everything for a final_only request (its only output)."""
-    request_id: str
-    prompt_token_ids: list[int]      # shared by all outputs of the request: do not mutate
-    token_ids: list[int] = _CopiedOnRead()  # all generated so far
-    text: str                       # all generated text so far (stop string removed)
-    new_token_ids: list[int]
-    new_text: str
-    logprobs: list[dict[int, float]] | None = _CopiedOnRead()  # per generated token so far:
-    # {token_id: logprob}, sampled one included; None unless the request asked for logprobs
-    finished: bool
-    finish_reason: str | None       # "stop" (EOS, stop string or stop token), "length", "abort", "error"
-    metrics: RequestMetrics
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
+    previous one: this step's token, or everything for a final_only request (its only output).
+
+    A plain class with slots, not a dataclass: the engine makes one per streamed request in every
+    step, on caches the forward has just flushed, and a slotted object is one allocation with no
+    dict (making one took 0.50 us warm as a dataclass with copy-on-read fields, 0.25 us so)."""
+    __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "text", "new_token_ids", "new_text", "_logprobs",
+                 "finished", "finish_reason", "metrics", "stop_reason")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: "list[int] | ListPrefix", text: str,
+                 new_token_ids: list[int], new_text: str, logprobs: "list[dict[int, float]] | ListPrefix | None",
+                 finished: bool, finish_reason: str | None, metrics: RequestMetrics,
+                 stop_reason: str | int | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids   # shared by all outputs of the request: do not mutate
+        self._token_ids = token_ids        # all generated so far (a ListPrefix until read)
+        self.text = text                   # all generated text so far (stop string removed)
+        self.new_token_ids = new_token_ids
+        self.new_text = new_text
+        self._logprobs = logprobs          # per generated token so far: {token_id: logprob}, sampled one
+        # included; None unless the request asked for logprobs (a ListPrefix until read)
+        self.finished = finished
+        self.finish_reason = finish_reason   # "stop" (EOS, stop string or stop token), "length", "abort", "error"
+        self.metrics = metrics
+        self.stop_reason = stop_reason     # the stop string or stop token id that ended it, if any
+
+    @property
+    def token_ids(self) -> list[int]:
+        self._token_ids = v = _copied(self._token_ids)   # the copy, made on the first read, is kept
+        return v
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        self._logprobs = v = _copied(self._logprobs)
+        return v
 
     @property
     def new_logprobs(self) -> list[dict[int, float]] | None:
         """Logprobs of this step's new tokens."""
         return None if self.logprobs is None else self.logprobs[len(self.logprobs) - len(self.new_token_ids):]
+
+    def __repr__(self):
+        return (f"RequestOutput({self.request_id!r}, token_ids={self.token_ids}, text={self.text!r}, "
+                f"new_token_ids={self.new_token_ids}, new_text={self.new_text!r}, finished={self.finished}, "
+                f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})")
 
 
 @dataclass

@@ -21,6 +21,13 @@ _counter = itertools.count()
 
 
 class Sequence:
+    # slots, not a dict: the engine reads and writes a dozen of these per sequence in every step,
+    # on caches the forward has just flushed
+    __slots__ = ("request_id", "seq_no", "token_ids", "prompt_token_ids", "num_prompt_tokens", "params", "status",
+                 "num_computed_tokens", "prefill_len", "block_table", "metrics", "finish_reason", "stop_reason",
+                 "logprobs", "argmax_only", "final_only", "stop_ids", "max_len", "generator", "detokenizer", "text",
+                 "sent_text_len", "text_tokens", "defer_text")
+
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
         self.request_id = request_id
         self.seq_no = next(_counter)          # admission order tiebreak
