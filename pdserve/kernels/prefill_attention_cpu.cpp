@@ -8,11 +8,14 @@
 // entirely in the future (half the work of a square mask) or outside the sliding window.
 //
 // Work item: (sequence, kv head, tile of query positions). The G query heads sharing a KV head are
-// rows of the same tile, so each key tile is transposed once for G x QT rows. Per key tile:
-//   S = Q K^T: keys transposed to (D, 16), so a row's 16 scores are one zmm built by D FMAs with
-//              the query element broadcast (no horizontal sums);
+// rows of the same tile, so each key block is transposed once for G x QT rows. Per block of NT x 16
+// keys:
+//   S = Q K^T: keys transposed to NT tiles of (D, 16), so a row's 16 scores per tile are one zmm
+//              built by D FMAs with the query element broadcast (no horizontal sums);
 //   softmax:   running max m and sum l per row, P = exp(S - m), O rescaled when m grows;
 //   O += P V:  R rows x D accumulators in registers, one value row loaded per key.
+// A row's softmax bookkeeping (two horizontal reductions, a scalar exp, O loaded, rescaled and
+// stored) is per block: with blocks of 64 keys instead of 16 it is a quarter as much per key.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,17 +32,31 @@ using pdserve::exp512;
 using pdserve::load16;
 
 constexpr int KT = 16;                          // keys per tile: one zmm of scores
+constexpr int kKtBytes = 16 << 10;              // a block's transposed keys stay in L1: NT <= this / (D x 16 x 4)
 constexpr int64_t kTargetRows = 256;            // query rows (positions x heads) per work item: 64 and 128 measured 5-7% slower
 constexpr double kMinParallelFlops = 4e6;       // less than this: one thread (see packed_tiles.h)
 
 struct Work { int64_t b, kvh, q0, q1; };        // sequence, kv head, query offsets [q0, q1)
 
-// C = D / 16 vectors per row; R rows per register tile (R x C accumulators fit in 32 zmm)
-template <typename T, int C, int R>
+// f(std::integral_constant<int, n>{}) for 1 <= n <= NT: the score loop's tile count as a template
+// argument, so that its accumulators stay in registers. A block at the causal diagonal holds fewer
+// keys than NT tiles (a 128-token prompt's first: 36 positions): its empty tiles are not computed.
+template <int NT, typename F>
+inline void with_tiles(int n, F&& f) {
+  if constexpr (NT > 1) {
+    if (n < NT) return with_tiles<NT - 1>(n, f);
+  }
+  f(std::integral_constant<int, NT>{});
+}
+
+// C = D / 16 vectors per row; R rows per register tile (R x C accumulators fit in 32 zmm); NT tiles
+// of 16 keys per block (R x NT score accumulators, at most 16)
+template <typename T, int C, int R, int NT>
 void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* q_starts,
                   const int64_t* q_lens, const int64_t* ctx, float* out, int64_t B, int64_t H, int64_t Hkv,
                   int64_t nb, int64_t bs, float scale, int64_t window) {
-  constexpr int D = 16 * C;
+  constexpr int D = 16 * C, KB = NT * KT;   // KB: keys per block
+  static_assert(R * NT <= 16 && D * KB * 4 <= kKtBytes, "block too big");
   const int64_t G = H / Hkv, row = Hkv * D;   // row: elements per cache slot
   const int64_t qt = std::max<int64_t>(1, kTargetRows / G);   // query positions per work item
   std::vector<Work> work;
@@ -58,10 +75,10 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
 
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> Q(max_rows * D), O(max_rows * D), m(max_rows), l(max_rows), P(max_rows * KT);
+    std::vector<float> Q(max_rows * D), O(max_rows * D), m(max_rows), l(max_rows), P(max_rows * KB);
     std::vector<int64_t> pos(max_rows);
-    alignas(64) float Kt[D * KT];
-    const T* vrow[KT];
+    alignas(64) float Kt[NT * D * KT];   // tile t: Kt + t * D * KT, (D, 16)
+    const T* vrow[KB];
 #pragma omp for schedule(dynamic, 1)
     for (size_t w = 0; w < work.size(); ++w) {
       const Work it = work[w];
@@ -84,48 +101,68 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
       }
       const int64_t last = first_pos + it.q1 - 1;                  // the tile's last query position
       const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + it.q0 - window + 1) : 0;
-      for (int64_t k0 = lo; k0 <= last; k0 += KT) {
-        const int nk = static_cast<int>(std::min<int64_t>(KT, last + 1 - k0));
-        // keys k0..k0+nk transposed into Kt (D x 16, zero past nk); value rows by pointer
-        for (int j = 0; j < KT; ++j) {
+      for (int64_t k0 = lo; k0 <= last; k0 += KB) {
+        const int nk = static_cast<int>(std::min<int64_t>(KB, last + 1 - k0)), nt = (nk + KT - 1) / KT;
+        // keys k0..k0+nk transposed into Kt (zero past nk); value rows by pointer
+        for (int j = 0; j < KB; ++j) {
+          float* kt = Kt + (j / KT) * D * KT + j % KT;
           if (j < nk) {
             const int64_t p = k0 + j;
             const int64_t slot = table[p / bs] * bs + p % bs;
             const T* k = kc + slot * row + it.kvh * D;
             vrow[j] = vc + slot * row + it.kvh * D;
-            for (int d = 0; d < D; ++d) Kt[d * KT + j] = static_cast<float>(k[d]);
+            for (int d = 0; d < D; ++d) kt[d * KT] = static_cast<float>(k[d]);
           } else {
-            for (int d = 0; d < D; ++d) Kt[d * KT + j] = 0.f;
+            for (int d = 0; d < D; ++d) kt[d * KT] = 0.f;
           }
         }
         for (int64_t r0 = 0; r0 < padded; r0 += R) {
-          // S for R rows
-          __m512 s[R];
-          for (int i = 0; i < R; ++i) s[i] = _mm512_setzero_ps();
+          // S for R rows x the block's first nt tiles (the rest hold no key: masked out below)
+          __m512 s[R][NT];
+          for (int i = 0; i < R; ++i)
+            for (int t = 0; t < NT; ++t) s[i][t] = _mm512_setzero_ps();
           const float* qr = Q.data() + r0 * D;
-          for (int d = 0; d < D; ++d) {
-            const __m512 kv = _mm512_load_ps(Kt + d * KT);
-            for (int i = 0; i < R; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i * D + d]), kv, s[i]);
-          }
-          // online softmax per row; keys j are valid where lo_r <= k0 + j <= pos_r and j < nk
+          with_tiles<NT>(nt, [&](auto NTU) {
+            for (int d = 0; d < D; ++d) {
+              __m512 kv[NTU];
+              for (int t = 0; t < NTU; ++t) kv[t] = _mm512_load_ps(Kt + t * D * KT + d * KT);
+              for (int i = 0; i < R; ++i) {
+                const __m512 qv = _mm512_set1_ps(qr[i * D + d]);
+                for (int t = 0; t < NTU; ++t) s[i][t] = _mm512_fmadd_ps(qv, kv[t], s[i][t]);
+              }
+            }
+          });
+          // online softmax per row; keys j of the block are visible where from <= j < hi
           float alpha[R];
           bool any = false;
           for (int i = 0; i < R; ++i) {
             const int64_t r = r0 + i, hi = std::min<int64_t>(nk, pos[r] - k0 + 1);
             const int64_t from = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1 - k0) : 0;
             alpha[i] = 1.f;
-            if (r >= rows || hi <= from) {   // padding, or no visible key in this tile
-              _mm512_storeu_ps(P.data() + i * KT, _mm512_setzero_ps());
+            if (r >= rows || hi <= from) {   // padding, or no visible key in this block
+              for (int t = 0; t < NT; ++t) _mm512_storeu_ps(P.data() + i * KB + t * KT, _mm512_setzero_ps());
               continue;
             }
-            const __mmask16 mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << from) - 1));
-            const __m512 si = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, s[i]);
-            const float mnew = std::max(m[r], _mm512_reduce_max_ps(si));
-            const __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(si, _mm512_set1_ps(mnew))));
-            alpha[i] = std::exp(m[r] - mnew);   // 0 on the first visible tile (m = -inf)
-            l[r] = l[r] * alpha[i] + _mm512_reduce_add_ps(p);
+            __m512 si[NT];
+            __mmask16 mask[NT];
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int t = 0; t < NT; ++t) {
+              const int64_t a = std::clamp<int64_t>(from - t * KT, 0, KT), e = std::clamp<int64_t>(hi - t * KT, 0, KT);
+              mask[t] = static_cast<__mmask16>(((1u << e) - 1) & ~((1u << a) - 1));
+              si[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[t], s[i][t]);
+              mx = _mm512_max_ps(mx, si[t]);
+            }
+            const float mnew = std::max(m[r], _mm512_reduce_max_ps(mx));
+            const __m512 mv = _mm512_set1_ps(mnew);
+            __m512 sum = _mm512_setzero_ps();
+            for (int t = 0; t < NT; ++t) {
+              const __m512 p = _mm512_maskz_mov_ps(mask[t], exp512(_mm512_sub_ps(si[t], mv)));
+              sum = _mm512_add_ps(sum, p);
+              _mm512_storeu_ps(P.data() + i * KB + t * KT, p);
+            }
+            alpha[i] = std::exp(m[r] - mnew);   // 0 on the first visible block (m = -inf)
+            l[r] = l[r] * alpha[i] + _mm512_reduce_add_ps(sum);
             m[r] = mnew;
-            _mm512_storeu_ps(P.data() + i * KT, p);
             any = true;
           }
           if (!any) continue;
@@ -139,7 +176,7 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
             __m512 vv[C];
             for (int c = 0; c < C; ++c) vv[c] = load16<T>(vrow[j] + 16 * c);
             for (int i = 0; i < R; ++i) {
-              const __m512 pw = _mm512_set1_ps(P[i * KT + j]);
+              const __m512 pw = _mm512_set1_ps(P[i * KB + j]);
               for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pw, vv[c], acc[i][c]);
             }
           }
@@ -167,11 +204,12 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
                               q_starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
                               out.data_ptr<float>(), B, H, Hkv, nb, bs, scale, window);
   switch (D / 16) {
-    case 1: std::apply(prefill_impl<T, 1, 8>, args); break;
-    case 2: std::apply(prefill_impl<T, 2, 8>, args); break;
-    case 4: std::apply(prefill_impl<T, 4, 4>, args); break;
-    case 6: std::apply(prefill_impl<T, 6, 2>, args); break;
-    case 8: std::apply(prefill_impl<T, 8, 2>, args); break;
+    // NT: as many 16-key tiles as fit R x NT <= 16 scores and 16 KB of transposed keys, at most 4
+    case 1: std::apply(prefill_impl<T, 1, 8, 2>, args); break;
+    case 2: std::apply(prefill_impl<T, 2, 8, 2>, args); break;
+    case 4: std::apply(prefill_impl<T, 4, 4, 4>, args); break;
+    case 6: std::apply(prefill_impl<T, 6, 2, 2>, args); break;
+    case 8: std::apply(prefill_impl<T, 8, 2, 2>, args); break;
     default: TORCH_CHECK(false, "prefill attention kernel: head_dim must be 16, 32, 64, 96 or 128");
   }
 }
