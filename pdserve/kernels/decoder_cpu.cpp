@@ -6,6 +6,9 @@
 // event loop does not take turns with it. Activations stay fp32 throughout: a bf16 model keeps
 // bf16 weights (read by the AVX512-BF16 kernel, which takes bf16 rows) and a bf16 KV cache.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstring>
 #include "decoder.h"
 #include "ops.h"
 
@@ -13,14 +16,54 @@ namespace pdserve {
 
 namespace {
 
+// Rows of at least this many elements per thread: the glue loops below split larger work (prefill).
+constexpr int64_t kGlueGrain = 1 << 16;
+
+// y (T, n) contiguous += bias (n): a plain loop instead of add_, whose set-up (a TensorIterator)
+// costs microseconds a call on the caches a forward leaves (~5% of the stack's glue at batch 1).
+// Biased linears (Qwen2's qkv, OPT's) have n = heads x head_dim or hidden = heads x head_dim,
+// a multiple of 16 for every head size the attention kernels take.
+void add_bias(torch::Tensor& y, const torch::Tensor& bias) {
+  const int64_t T = y.size(0), n = y.size(1);
+  TORCH_CHECK(n % 16 == 0 && bias.numel() == n, "bias of ", bias.numel(), " for rows of ", n);
+  float* out = y.data_ptr<float>();
+  const float* b = bias.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, kGlueGrain / n), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < n; c += 16)
+        _mm512_storeu_ps(out + t * n + c, _mm512_add_ps(_mm512_loadu_ps(out + t * n + c), _mm512_loadu_ps(b + c)));
+  });
+}
+
 // A PackedLinear's forward (layers/packed_linear.py) for fp32 activations: k-pair panels (32
 // wide) take the rows in bf16.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                      const torch::Tensor& bias, int64_t n) {
   auto y = packed.size(2) == 32 ? packed_linear_bf16_pairs(x.to(at::kBFloat16), packed) : packed_linear(x, packed, scale);
   if (y.size(1) != n) y = y.narrow(1, 0, n).contiguous();
-  if (bias.numel()) y.add_(bias);
+  if (bias.numel()) add_bias(y, bias);
   return y;
+}
+
+// cache[slots[t]] = x[t] for each of the step's T tokens; x: (T, Hkv, D) fp32 with rows of Hkv x D
+// contiguous (a view of the qkv product), cache (num_slots, Hkv, D) fp32 or bf16 (rounded as .to()
+// rounds). What index_copy_ did, without its set-up per call.
+void write_cache(torch::Tensor& cache, const torch::Tensor& x, const torch::Tensor& slots) {
+  const int64_t T = x.size(0), row = x.size(1) * x.size(2), stride = x.stride(0), num_slots = cache.size(0);
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "K/V rows must be contiguous");
+  const float* src = x.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " out of range");
+  at::parallel_for(0, T, std::max<int64_t>(1, kGlueGrain / row), [&](int64_t t0, int64_t t1) {
+    if (cache.scalar_type() == at::kFloat) {
+      float* dst = cache.data_ptr<float>();
+      for (int64_t t = t0; t < t1; ++t) std::memcpy(dst + slot[t] * row, src + t * stride, row * sizeof(float));
+    } else {
+      at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t i = 0; i < row; ++i) dst[slot[t] * row + i] = static_cast<at::BFloat16>(src[t * stride + i]);
+    }
+  });
 }
 
 // PagedAttention.forward (layers/attention.py) on the kernels: write this step's K/V to their
@@ -28,9 +71,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
                         torch::Tensor& v_cache, const AttentionStep& s, double scale) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), num_decodes = s.decode_tables.size(0);
-  k_cache.index_copy_(0, s.slot_mapping, k.to(k_cache.scalar_type()));   // fp32: no copy
-  v_cache.index_copy_(0, s.slot_mapping, v.to(v_cache.scalar_type()));
+  write_cache(k_cache, k, s.slot_mapping);
+  write_cache(v_cache, v, s.slot_mapping);
   auto qf = q.contiguous();
+  if (num_decodes == T && s.decode_first_row == 0)   // decodes only: the kernel's output is the result
+    return paged_decode_attention(qf, k_cache, v_cache, s.decode_tables, s.decode_ctx, s.block_size, scale,
+                                  s.sliding_window).view({T, H * D});
   auto out = torch::empty({T, H, D}, q.options());
   if (num_decodes > 0) {
     if (s.decode_first_row >= 0) {
