@@ -44,3 +44,40 @@ torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed) {
                  reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, DenseOut{y.data_ptr<float>(), Npad});
   return y;
 }
+
+// Rows W[ids] read back from the packed layout, (n, K) fp32: the tied input embedding (one copy of
+// the matrix). packed: (Npad/16, K, 16) fp32|bf16|int8 (int8 times scale[id]) or (Npad/16, K/2, 32)
+// bf16 k-pairs. One call instead of the four torch ops (and their set-up) of indexing the panels.
+torch::Tensor packed_rows(torch::Tensor packed, torch::Tensor scale, torch::Tensor ids) {
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "bad packed weight");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be 1-D int64");
+  const bool pairs = packed.size(2) == 2 * PANEL;
+  TORCH_CHECK(pairs ? packed.scalar_type() == at::kBFloat16 : packed.size(2) == PANEL, "bad packed weight");
+  const int64_t n = ids.size(0), steps = packed.size(1), K = pairs ? 2 * steps : steps, Npad = packed.size(0) * PANEL;
+  const bool scaled = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(!scaled || (scale.scalar_type() == at::kFloat && scale.numel() == Npad), "int8 weights need their scale");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < Npad, "row ", id[i], " out of range");
+  auto out = torch::empty({n, K});
+  float* o = out.data_ptr<float>();
+  // element (row r, k) of each layout: panel r / 16, channel r % 16
+  auto gather = [&](auto* w, auto index) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = id[i] / PANEL, c = id[i] % PANEL;
+      const float s = scaled ? scale.data_ptr<float>()[id[i]] : 1.f;
+      for (int64_t k = 0; k < K; ++k) o[i * K + k] = static_cast<float>(w[index(p, k, c)]) * s;
+    }
+  };
+  const int64_t width = packed.size(2);
+  if (pairs)
+    gather(packed.data_ptr<at::BFloat16>(), [&](int64_t p, int64_t k, int64_t c) { return (p * steps + k / 2) * width + 2 * c + k % 2; });
+  else if (packed.scalar_type() == at::kFloat)
+    gather(packed.data_ptr<float>(), [&](int64_t p, int64_t k, int64_t c) { return (p * steps + k) * width + c; });
+  else if (packed.scalar_type() == at::kBFloat16)
+    gather(packed.data_ptr<at::BFloat16>(), [&](int64_t p, int64_t k, int64_t c) { return (p * steps + k) * width + c; });
+  else if (scaled)
+    gather(packed.data_ptr<int8_t>(), [&](int64_t p, int64_t k, int64_t c) { return (p * steps + k) * width + c; });
+  else
+    TORCH_CHECK(false, "packed weight dtype must be float32, bfloat16 or int8");
+  return out;
+}

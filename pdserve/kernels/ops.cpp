@@ -61,6 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_bf16_pairs", &packed_linear_bf16_pairs,
         "y = x @ W^T, bf16 x and W in k-pair panels, AVX512-BF16 dot products (linear_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("packed_rows", &packed_rows, "rows W[ids] of a packed weight, fp32 (linear_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear_argmax", &packed_linear_argmax,
         "each row's argmax of x @ W^T (greedy sampling's token) without the logits (argmax_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());

@@ -95,15 +95,9 @@ class PackedLinear(nn.Module):
         return [self.packed, self.scale, torch.empty(0) if self.bias is None else self.bias.detach().float()]
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows W[ids] (K each) read back from the packed layout: the tied input embedding."""
-        if self.fmt == "bf16x2":
-            c = (ids % PANEL) * 2
-            rows = torch.stack([self.packed[ids // PANEL, :, c], self.packed[ids // PANEL, :, c + 1]], dim=-1)
-            return rows.reshape(len(ids), self.in_features).float()
-        rows = self.packed[ids // PANEL, :, ids % PANEL].float()
-        if self.fmt == "int8":
-            rows *= self.scale[ids, None]
-        return rows
+        """Rows W[ids] (K each, fp32) read back from the packed layout: the tied input embedding."""
+        return cpu_ops().packed_rows(self.packed, self.scale, ids.reshape(-1).long().contiguous()).view(
+            *ids.shape, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
