@@ -131,4 +131,5 @@ def pack_model(model: nn.Module, fmt: str, embed_name: str | None) -> nn.Module:
     if tied:
         parent, _, attr = embed_name.rpartition(".")
         setattr(model.get_submodule(parent), attr, TiedPackedEmbedding(model.lm_head, dtype))
+    hugepages.trim_heap()   # the originals' freed memory
     return model
