@@ -66,7 +66,7 @@ class Arena:
         self.chunk, self.used = None, 0
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         off = -(-self.used // self.ALIGN) * self.ALIGN
         if self.chunk is None or off + nbytes > self.chunk.numel():
             self.chunk, off = _aligned_chunk(max(self.CHUNK, -(-nbytes // HUGE) * HUGE)), 0

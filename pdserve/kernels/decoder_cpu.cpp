@@ -75,20 +75,18 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   write_cache(k_cache, k, s.slot_mapping);
   write_cache(v_cache, v, s.slot_mapping);
   auto qf = q.contiguous();
+  auto decode = [&](const torch::Tensor& rows) {   // the decode rows' queries -> their outputs
+    return paged_decode_attention(rows, k_cache, v_cache, s.decode_tables, s.decode_ctx, s.block_size, scale,
+                                  s.sliding_window);
+  };
   if (num_decodes == T && s.decode_first_row == 0)   // decodes only: the kernel's output is the result
-    return paged_decode_attention(qf, k_cache, v_cache, s.decode_tables, s.decode_ctx, s.block_size, scale,
-                                  s.sliding_window).view({T, H * D});
+    return decode(qf).view({T, H * D});
   auto out = torch::empty({T, H, D}, q.options());
   if (num_decodes > 0) {
-    if (s.decode_first_row >= 0) {
-      out.narrow(0, s.decode_first_row, num_decodes)
-          .copy_(paged_decode_attention(qf.narrow(0, s.decode_first_row, num_decodes), k_cache, v_cache,
-                                        s.decode_tables, s.decode_ctx, s.block_size, scale, s.sliding_window));
-    } else {
-      out.index_copy_(0, s.decode_rows,
-                      paged_decode_attention(qf.index_select(0, s.decode_rows), k_cache, v_cache, s.decode_tables,
-                                             s.decode_ctx, s.block_size, scale, s.sliding_window));
-    }
+    if (s.decode_first_row >= 0)
+      out.narrow(0, s.decode_first_row, num_decodes).copy_(decode(qf.narrow(0, s.decode_first_row, num_decodes)));
+    else
+      out.index_copy_(0, s.decode_rows, decode(qf.index_select(0, s.decode_rows)));
   }
   if (s.prefill_q_lens.size(0) > 0)
     paged_prefill_attention(qf, k_cache, v_cache, s.prefill_tables, s.prefill_starts, s.prefill_q_lens, s.prefill_ctx,

@@ -69,14 +69,15 @@ torch::Tensor packed_rows(torch::Tensor packed, torch::Tensor scale, torch::Tens
     }
   };
   const int64_t width = packed.size(2);
+  auto panel_index = [&](int64_t p, int64_t k, int64_t c) { return (p * steps + k) * width + c; };
   if (pairs)
-    gather(packed.data_ptr<at::BFloat16>(), [&](int64_t p, int64_t k, int64_t c) { return (p * steps + k / 2) * width + 2 * c + k % 2; });
+    gather(packed.data_ptr<at::BFloat16>(), [&](int64_t p, int64_t k, int64_t c) { return panel_index(p, k / 2, 2 * c + k % 2); });
   else if (packed.scalar_type() == at::kFloat)
-    gather(packed.data_ptr<float>(), [&](int64_t p, int64_t k, int64_t c) { return (p * steps + k) * width + c; });
+    gather(packed.data_ptr<float>(), panel_index);
   else if (packed.scalar_type() == at::kBFloat16)
-    gather(packed.data_ptr<at::BFloat16>(), [&](int64_t p, int64_t k, int64_t c) { return (p * steps + k) * width + c; });
+    gather(packed.data_ptr<at::BFloat16>(), panel_index);
   else if (scaled)
-    gather(packed.data_ptr<int8_t>(), [&](int64_t p, int64_t k, int64_t c) { return (p * steps + k) * width + c; });
+    gather(packed.data_ptr<int8_t>(), panel_index);
   else
     TORCH_CHECK(false, "packed weight dtype must be float32, bfloat16 or int8");
   return out;
