@@ -26,6 +26,10 @@ struct AttentionStep {
                                    int64_t prefill_blocks, int64_t block_size, int64_t sliding_window);
 };
 
+// cache[slots[t]] = x[t]: this step's K or V rows into their cache slots (decoder_cpu.cpp; bound
+// in ops.cpp for its tests). x: (T, Hkv, D) fp32 with contiguous rows, cache (slots, Hkv, D) fp32|bf16.
+void write_cache(const torch::Tensor& cache, const torch::Tensor& x, const torch::Tensor& slots);
+
 // Each layer's tensors, in these orders (models/llama.py and models/opt.py build the lists). A
 // linear is its packed weight, its per-channel scale (empty unless int8) and its bias (empty if
 // none); norm weights and biases are fp32 (empty: none), the caches fp32 or bf16.

@@ -46,27 +46,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   return y;
 }
 
-// cache[slots[t]] = x[t] for each of the step's T tokens; x: (T, Hkv, D) fp32 with rows of Hkv x D
-// contiguous (a view of the qkv product), cache (num_slots, Hkv, D) fp32 or bf16 (rounded as .to()
-// rounds). What index_copy_ did, without its set-up per call.
-void write_cache(torch::Tensor& cache, const torch::Tensor& x, const torch::Tensor& slots) {
-  const int64_t T = x.size(0), row = x.size(1) * x.size(2), stride = x.stride(0), num_slots = cache.size(0);
-  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "K/V rows must be contiguous");
-  const float* src = x.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " out of range");
-  at::parallel_for(0, T, std::max<int64_t>(1, kGlueGrain / row), [&](int64_t t0, int64_t t1) {
-    if (cache.scalar_type() == at::kFloat) {
-      float* dst = cache.data_ptr<float>();
-      for (int64_t t = t0; t < t1; ++t) std::memcpy(dst + slot[t] * row, src + t * stride, row * sizeof(float));
-    } else {
-      at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t i = 0; i < row; ++i) dst[slot[t] * row + i] = static_cast<at::BFloat16>(src[t * stride + i]);
-    }
-  });
-}
-
 // PagedAttention.forward (layers/attention.py) on the kernels: write this step's K/V to their
 // slots, then the decodes and the prefill chunks. q: (T, H, D), k, v: (T, Hkv, D). Returns (T, H * D).
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
@@ -107,6 +86,31 @@ std::optional<torch::Tensor> maybe(const torch::Tensor& t) {
 }
 
 }  // namespace
+
+// cache[slots[t]] = x[t] for each of the step's T tokens; x: (T, Hkv, D) fp32 with rows of Hkv x D
+// contiguous (a view of the qkv product), cache (num_slots, Hkv, D) fp32 or bf16 (rounded as .to()
+// rounds). What index_copy_ did, without its set-up per call.
+void write_cache(const torch::Tensor& cache, const torch::Tensor& x, const torch::Tensor& slots) {
+  const int64_t T = x.size(0), row = x.size(1) * x.size(2), stride = x.stride(0), num_slots = cache.size(0);
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "K/V rows must be contiguous");
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(1) * cache.size(2) == row, "cache rows of ",
+              row, " elements expected");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == T,
+              "one int64 slot per row expected");
+  const float* src = x.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " out of range");
+  at::parallel_for(0, T, std::max<int64_t>(1, kGlueGrain / row), [&](int64_t t0, int64_t t1) {
+    if (cache.scalar_type() == at::kFloat) {
+      float* dst = cache.data_ptr<float>();
+      for (int64_t t = t0; t < t1; ++t) std::memcpy(dst + slot[t] * row, src + t * stride, row * sizeof(float));
+    } else {
+      at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t i = 0; i < row; ++i) dst[slot[t] * row + i] = static_cast<at::BFloat16>(src[t * stride + i]);
+    }
+  });
+}
 
 AttentionStep AttentionStep::from_buffer(const torch::Tensor& buf, int64_t offset, int64_t num_tokens,
                                          int64_t num_decodes, int64_t decode_blocks, int64_t decode_first_row,

@@ -81,6 +81,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("pool_cached_bytes", &pdserve::pool_cached_bytes,
         "bytes of freed big outputs the kernels keep for reuse (buffer_pool.cpp)");
+  m.def("write_cache", &pdserve::write_cache, "cache[slots[t]] = x[t], bf16 rounded as .to() rounds (decoder_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<pdserve::AttentionStep>(m, "AttentionStep", "one step's paged-attention metadata (decoder.h)")
       .def_static("from_ints", &step_from_ints,
                   "(the flat lists before the slot mapping as tensors, the step) from the step's lists (see step_from_ints)")
