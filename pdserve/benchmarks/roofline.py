@@ -213,6 +213,32 @@ def side_by_side_read(engine, steps: dict[int, tuple[StepCost, list[tuple[int, i
     return dict(context=context, rounds=rounds, bandwidth=bws, batches={str(b): r for b, r in out.items()})
 
 
+def side_by_side_peak(engine, steps: dict[str, tuple[StepCost, list[tuple[int, int]]]], ids: list[int],
+                      dtype: str, gemm_n: int, rounds: int) -> dict:
+    """Compute-bound steps against the GEMM peak probed just before them, round after round: the
+    compute-side twin of side_by_side_read. A neighbour that takes a core for a minute slows the
+    probe and the steps of that round alike, where a peak probed minutes away (the sweep's best
+    of before and after) would count it against the steps alone. steps: name -> (cost, sequences)."""
+    from pdserve.benchmarks import machine_limits
+
+    def peak() -> float:
+        torch_peak = machine_limits.gemm_flops(gemm_n, machine_limits.DTYPES[dtype], 2)
+        return max(torch_peak, machine_limits.kernel_gemm_flops(gemm_n, 2)) if dtype == "float32" else torch_peak
+
+    peaks = []
+    out = {name: dict(flops=cost.flops, step_s=[], fraction=[]) for name, (cost, _) in steps.items()}
+    for _ in range(rounds):
+        p = peak()
+        peaks.append(p)
+        for name, (cost, seqs) in steps.items():
+            t = statistics.median(time_step(engine, seqs, ids, 1)[0])
+            out[name]["step_s"].append(t)
+            out[name]["fraction"].append(cost.flops / t / p)
+    for r in out.values():
+        r["fraction_median"] = statistics.median(r["fraction"])
+    return dict(rounds=rounds, gemm_n=gemm_n, peak_flops=peaks, steps=out)
+
+
 # --- one measured point, and what it says ---------------------------------------------------------
 
 def record(phase: str, batch: int, context: int, cost: StepCost, logit_rows: int, forward: list[float],
@@ -240,7 +266,7 @@ def find(recs: list[dict], phase: str, batch: int | None = None, context: int | 
 
 
 def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhead: dict | None,
-             read: dict | None = None, overhead_final: dict | None = None) -> list[str]:
+             read: dict | None = None, overhead_final: dict | None = None, peak_rounds: dict | None = None) -> list[str]:
     """Short statements computed from the measured points (each one only if its points exist)."""
     def get(phase, batch, context):
         return next(iter(find(recs, phase, batch, context)), None)
@@ -300,6 +326,12 @@ def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhe
                    f"{r['ratio_median']:.2f}x the time to read its {r['bytes'] / 1e6:.0f} MB (rounds "
                    f"{min(r['ratio']):.2f}-{max(r['ratio']):.2f}; step {min(r['step_s']) * 1e3:.1f}-"
                    f"{max(r['step_s']) * 1e3:.1f} ms)")
+    for name, r in (peak_rounds or {}).get("steps", {}).items():
+        ps = peak_rounds["peak_flops"]
+        out.append(f"{name}, side by side with a GEMM probe ({peak_rounds['rounds']} rounds, probe "
+                   f"{min(ps) / 1e9:.1f}-{max(ps) / 1e9:.1f} GFLOP/s): {100 * r['fraction_median']:.0f}% of the "
+                   f"probed peak (rounds {100 * min(r['fraction']):.0f}-{100 * max(r['fraction']):.0f}%; step "
+                   f"{min(r['step_s']) * 1e3:.1f}-{max(r['step_s']) * 1e3:.1f} ms)")
     if overhead:
         o = overhead
         out.append(f"engine overhead, decode batch {o['batch']} at context {o['context']} (median of "
@@ -395,6 +427,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--read-rounds", type=int, default=6,
                         help="rounds of (read probe, decode steps of batch 1 and 4) side by side at the smallest "
                              "decode context: each step's ratio to the time to read its bytes (0: skip)")
+    parser.add_argument("--peak-rounds", type=int, default=0,
+                        help="rounds of (GEMM probe, the compute-bound steps: every prefill length and the decode "
+                             "batches past the ridge at the smallest decode context) side by side: each step's "
+                             "fraction of the peak probed right before it (default 0: skip)")
     parser.add_argument("--output", default=None, help="write all measurements as JSON to this file")
     parser.add_argument("--plot", default=None, help="write the roofline plot (PNG) to this file")
     add_engine_args(parser)
@@ -476,6 +512,16 @@ def run(args) -> int:
             seqs, rows = phase_steps("decode", b, context)
             steps[b] = (step_cost(mc, seqs, rows), seqs)
         read = side_by_side_read(engine, steps, ids, limits.read_bytes, args.read_rounds)
+    peak_rounds = None
+    if args.peak_rounds:
+        # compute-bound by the roofs probed before the sweep: prefill, and decode past the ridge
+        ridge = limits.peak_flops(dtype) / limits.bandwidth
+        steps, dec = {}, sorted(c for phase, _, c in points if phase == "decode")
+        for phase, b, c, cost, _, *_ in measured:
+            if phase == "prefill" or (phase == "decode" and c == dec[0] and cost.flops / cost.bytes >= ridge):
+                steps[f"{phase} batch {b} context {c}"] = (cost, phase_steps(phase, b, c)[0])
+        if steps:
+            peak_rounds = side_by_side_peak(engine, steps, ids, dtype, limits.gemm_n, args.peak_rounds) | dict(ridge=ridge)
     overhead = overhead_final = None
     if ob * -(-(oc + om) // bm.block_size) <= bm.num_blocks:
         overhead = engine_overhead(engine, ob, oc, ids, args.overhead_steps)
@@ -490,7 +536,7 @@ def run(args) -> int:
           f"ridge {peak / bw:.1f} FLOP/B")
     recs = [record(*m, peak, bw) for m in measured]
     print_table(recs)
-    notes = findings(recs, peak, bw, dtype, overhead, read, overhead_final)
+    notes = findings(recs, peak, bw, dtype, overhead, read, overhead_final, peak_rounds)
     print("\nfindings (on a shared machine times are noisy):")
     for line in notes:
         print(f"  - {line}")
@@ -501,7 +547,7 @@ def run(args) -> int:
                                       cost=asdict(mc), kv_bytes_per_token=mc.kv_bytes_per_token),
                            roof=dict(bandwidth=bw, peak_flops=peak, ridge=peak / bw),
                            points=recs, overhead=overhead, overhead_final_only=overhead_final,
-                           side_by_side_read=read, findings=notes), f, indent=1)
+                           side_by_side_read=read, side_by_side_peak=peak_rounds, findings=notes), f, indent=1)
         print(f"wrote {args.output}")
     if args.plot:
         plot(args.plot, recs, limits, dtype, engine.model_name)

@@ -93,7 +93,7 @@ def test_phases_per_token():
 def test_command_quick(tiny_qwen2, tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     cmd = [sys.executable, "-m", "pdserve", "roofline", "--quick", "--threads", "1", "--model", tiny_qwen2,
-           "--overhead-steps", "9", "--output", str(out), "--plot", str(png)]
+           "--overhead-steps", "9", "--peak-rounds", "2", "--output", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, MPLBACKEND="Agg"))
     assert proc.returncode == 0, proc.stderr
@@ -138,3 +138,17 @@ def test_command_quick(tiny_qwen2, tmp_path):
         for bw, step, ratio in zip(read["bandwidth"], r["step_s"], r["ratio"]):
             assert ratio == pytest.approx(step * bw / r["bytes"]) and ratio > 0
     assert "side by side with a read probe" in proc.stdout
+    # compute-bound steps against a GEMM probe right before them: every prefill length, and the decode
+    # batches at or past the ridge (the roofs probed before the sweep) at the smallest decode context
+    peak = data["side_by_side_peak"]
+    assert peak["rounds"] == len(peak["peak_flops"]) == 2 and peak["gemm_n"] == 1024
+    decodes = {f"decode batch {b} context 128" for b in (1, 4, 16)
+               if point("decode", b, 128)["arithmetic_intensity"] >= peak["ridge"]}
+    assert set(peak["steps"]) == {f"prefill batch 1 context {n}" for n in (32, 128, 512)} | decodes
+    for name, r in peak["steps"].items():
+        phase, _, b, _, c = name.split()
+        assert r["flops"] == point(phase, int(b), int(c))["flops"] and len(r["step_s"]) == 2
+        for p, step, frac in zip(peak["peak_flops"], r["step_s"], r["fraction"]):
+            assert frac == pytest.approx(r["flops"] / step / p) and frac > 0
+        assert r["fraction_median"] == pytest.approx(sum(r["fraction"]) / 2)
+    assert "side by side with a GEMM probe" in proc.stdout
