@@ -250,12 +250,11 @@ class IncrementalDetokenizer:
 
     CONTEXT = 5  # prompt tokens kept as left context for the first window
     # one per request, touched every step: slots, not a dict
-    __slots__ = ("tokenizer", "skip_special_tokens", "text", "_pieces", "_pending", "ids", "read_offset")
+    __slots__ = ("tokenizer", "skip_special_tokens", "_pieces", "_pending", "ids", "read_offset")
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""
         self._pieces = tokenizer.byte_pieces(skip_special_tokens)
         self._pending = b""   # with byte pieces: the bytes of the ids not yet emitted
         self.ids = list(prompt_ids[-self.CONTEXT:])   # the window: the emitted ids it starts with, then the held ones
@@ -276,7 +275,6 @@ class IncrementalDetokenizer:
                 new_text = pending.decode("utf-8", "replace")
                 if not new_text.endswith("\ufffd"):   # whole characters: emit (no id window here)
                     self._pending = b""
-                    self.text += new_text
                     return new_text
             self._pending = pending
             return ""
@@ -292,7 +290,6 @@ class IncrementalDetokenizer:
         del self.ids[:self.read_offset]
         self.read_offset = len(self.ids)
         self._pending = b""
-        self.text += delta
         return delta
 
     def flush(self) -> str:
