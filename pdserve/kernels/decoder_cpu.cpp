@@ -91,12 +91,15 @@ std::optional<torch::Tensor> maybe(const torch::Tensor& t) {
 // contiguous (a view of the qkv product), cache (num_slots, Hkv, D) fp32 or bf16 (rounded as .to()
 // rounds). What index_copy_ did, without its set-up per call.
 void write_cache(const torch::Tensor& cache, const torch::Tensor& x, const torch::Tensor& slots) {
-  const int64_t T = x.size(0), row = x.size(1) * x.size(2), stride = x.stride(0), num_slots = cache.size(0);
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "K/V rows must be contiguous");
-  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(1) * cache.size(2) == row, "cache rows of ",
-              row, " elements expected");
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "K/V rows must be fp32 and contiguous");
+  const int64_t T = x.size(0), row = x.size(1) * x.size(2), stride = x.stride(0);
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(1) * cache.size(2) == row &&
+              (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16),
+              "an fp32 or bf16 cache with rows of ", row, " elements expected");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == T,
               "one int64 slot per row expected");
+  const int64_t num_slots = cache.size(0);
   const float* src = x.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " out of range");

@@ -57,6 +57,10 @@ def test_write_cache_refuses_bad_slots_and_shapes():
         ops.write_cache(cache, x, torch.tensor([-1, 0]))
     with pytest.raises(RuntimeError, match="one int64 slot per row"):
         ops.write_cache(cache, x, torch.tensor([0]))
-    with pytest.raises(RuntimeError, match="cache rows"):
+    with pytest.raises(RuntimeError, match="rows of 32 elements"):
         ops.write_cache(torch.zeros(8, 1, 16), x, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="fp32 or bf16 cache"):
+        ops.write_cache(torch.zeros(8, 2, 16, dtype=torch.float16), x, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="fp32 and contiguous"):
+        ops.write_cache(cache, x.double(), torch.tensor([0, 1]))
     assert cache.abs().sum() == 0   # nothing written by a refused call
