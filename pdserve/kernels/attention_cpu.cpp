@@ -59,11 +59,28 @@ inline __m512 sum16(const __m512* v) {
 // an L1 prefetch holds one of the core's few L1 miss buffers until its line arrives, and the
 // prefetch instructions themselves stalled on them; through L2 more lines are in flight at once
 // (1.40-1.62x per call at batch 1-32 and context 256-1024, docs/BENCHMARKS.md).
+// A task that reads whole slots (all of a sequence's KV heads: 128 lines a tile at Qwen-0.5B's
+// heads) asks for them in parts, one before each of the tile's head loops, rather than all at the
+// tile's start: 1.16-1.22x per call at batch 4-32 (perf/decode_attention_labs/spread_ab.txt). A
+// task with part of each slot (batch 1-3) asks at the tile's start: spread, it was 0.76-0.93x.
 template <typename T>
 inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t off = 0; off < bytes; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T2);
+}
+
+// Part i of n of prefetch_rows(rows, m, bytes): its lines total * i / n .. total * (i + 1) / n.
+template <typename T>
+inline void prefetch_part(const T* const* rows, int64_t m, int64_t bytes, int64_t i, int64_t n) {
+  const int64_t lines = (bytes + 63) / 64, total = std::max<int64_t>(0, m) * lines, end = total * (i + 1) / n;
+  int64_t l = total * i / n, j = l / lines, line = l % lines;
+  for (; l < end; ++l) {
+    // asm volatile, not _mm_prefetch: GCC 12 dropped this loop's prefetches when it had nothing
+    // else to do (objdump showed none left; batch 4-32 then ran at 0.62-0.72x)
+    asm volatile("prefetcht2 %0" : : "m"(*(reinterpret_cast<const char*>(rows[j]) + line * 64)));
+    if (++line == lines) line = 0, ++j;
+  }
 }
 
 // Heads per pass-2 chunk: 16 accumulators in registers.
@@ -135,13 +152,17 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
       scores.resize(nh * G * len);
       qs.resize(nh * G * D);
       for (int64_t i = 0; i < nh * G * D; ++i) qs[i] = q[(b * H + h0 * G) * D + i] * scale;
+      // the next tile's slots in parts, one per head loop below, when the task reads whole slots
+      const bool spread = parts == 1;
       // pass 1: scores q.k, 16 keys at a time while they are in L1, for every query head; 16
       // vectors of partial sums per head and tile, reduced together (no horizontal sum per key)
       for (int64_t i0 = 0; i0 < len; i0 += 16) {
         const int64_t nk = std::min<int64_t>(16, len - i0);   // a short tail repeats its last key
-        prefetch_rows(krows.data() + i0 + 16, std::min<int64_t>(16, len - i0 - 16), slot_bytes);
+        const int64_t next = std::min<int64_t>(16, len - i0 - 16);
+        if (!spread) prefetch_rows(krows.data() + i0 + 16, next, slot_bytes);
         for (int64_t h = 0; h < nh; ++h) {
           for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+            if (spread) prefetch_part(krows.data() + i0 + 16, next, slot_bytes, g, nh * G);
             __m512 qv[C];
             for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs.data() + g * D + 16 * c);
             __m512 acc[16];
@@ -162,11 +183,16 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
       for (int64_t i = 0; i < nh * G * D; ++i) o[i] = 0.f;
       for (int64_t i0 = 0; i0 < len; i0 += 16) {
         const int64_t nk = std::min<int64_t>(16, len - i0);
-        prefetch_rows(vrows.data() + i0 + 16, std::min<int64_t>(16, len - i0 - 16), slot_bytes);
+        const int64_t next = std::min<int64_t>(16, len - i0 - 16);
+        if (!spread) prefetch_rows(vrows.data() + i0 + 16, next, slot_bytes);
+        const int64_t chunks = nh * ((G + kMaxHeads<C> - 1) / kMaxHeads<C>);
+        int64_t chunk = 0;
         for (int64_t h = 0; h < nh; ++h)
-          for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeads<C>)
+          for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeads<C>, ++chunk) {
+            if (spread) prefetch_part(vrows.data() + i0 + 16, next, slot_bytes, chunk, chunks);
             weigh_values<T, C>(std::min<int64_t>(kMaxHeads<C>, (h + 1) * G - g0), vrows.data() + i0, h * D, nk,
                                scores.data() + g0 * len + i0, len, o + g0 * D);
+          }
       }
     }
   });
