@@ -58,11 +58,13 @@ inline __m512 sum16(const __m512* v) {
 // where the hardware prefetcher does not look ahead (n may be <= 0). Into L2, not L1 (T2, not T0):
 // an L1 prefetch holds one of the core's few L1 miss buffers until its line arrives, and the
 // prefetch instructions themselves stalled on them; through L2 more lines are in flight at once
-// (1.40-1.62x per call at batch 1-32 and context 256-1024, docs/BENCHMARKS.md).
+// (1.40-1.62x per call at batch 1-32 on a lab cache of 4 KiB pages; on the engine's huge pages it
+// pays at batch 1 and in bf16, docs/BENCHMARKS.md).
 // A task that reads whole slots (all of a sequence's KV heads: 128 lines a tile at Qwen-0.5B's
 // heads) asks for them in parts, one before each of the tile's head loops, rather than all at the
-// tile's start: 1.16-1.22x per call at batch 4-32 (perf/decode_attention_labs/spread_ab.txt). A
-// task with part of each slot (batch 1-3) asks at the tile's start: spread, it was 0.76-0.93x.
+// tile's start: 1.12-1.27x per call at batch 16-32, 1.02-1.10x at 4
+// (perf/decode_attention_labs/spread_ab.txt). A task with part of each slot (batch 1-3) asks at
+// the tile's start: spread, it was 0.76-0.93x.
 template <typename T>
 inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j)
