@@ -6,16 +6,15 @@ run_labs.py. Outputs are compared bitwise first.
 Usage: python benchmarks/results/perf/decode_attention_labs/spread_ab.py OLD_REV   (from the repository root)"""
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
-from torch.utils.cpp_extension import load
 
 from pdserve import hugepages
-from pdserve.kernels import CFLAGS, _DIR
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kernel_ab import build_old_new   # noqa: E402  (perf/kernel_ab.py)
 
 BIND = """#include <torch/extension.h>
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -25,23 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attn", &paged_decode_attention
 """
 old_rev = sys.argv[1]
 rounds = int(os.environ.get("ROUNDS", 15))
-work = os.path.join(tempfile.gettempdir(), "decode_attention_spread_ab")
-sources = {"old": subprocess.run(["git", "show", f"{old_rev}:pdserve/kernels/attention_cpu.cpp"],
-                                 capture_output=True, text=True, check=True).stdout,
-           "new": open(os.path.join(_DIR, "attention_cpu.cpp")).read()}
-mods = {}
-for v, src in sources.items():
-    d = os.path.join(work, v)
-    os.makedirs(os.path.join(d, "build"), exist_ok=True)
-    for name, text in (("kernel.cpp", src), ("bind.cpp", BIND)):
-        path = os.path.join(d, name)
-        if not os.path.exists(path) or open(path).read() != text:
-            open(path, "w").write(text)
-    mods[v] = load(f"decode_attention_ab_{v}", [os.path.join(d, "kernel.cpp"), os.path.join(d, "bind.cpp")],
-                   # a name of its own: two libraries exporting one symbol, the first loaded serves both
-                   extra_include_paths=[_DIR], extra_cflags=CFLAGS + [f"-Dpaged_decode_attention=attention_{v}"],
-                   extra_ldflags=["-lgomp"],
-                   build_directory=os.path.join(d, "build"))
+mods = build_old_new("attention_cpu.cpp", old_rev, BIND, "paged_decode_attention", "decode_attention_spread_ab")
 bs = 16
 torch.manual_seed(0)
 print(time.strftime("%Y-%m-%d %H:%M:%S"), f"old {old_rev}, new the working tree, {rounds} rounds")

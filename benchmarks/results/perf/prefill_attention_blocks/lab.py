@@ -4,15 +4,13 @@ order reversed every round). One sequence whose last CHUNK of CTX positions are 
 Usage: lab.py OLD_REV H,HKV,D CTX [CHUNK]   (from the repository root)"""
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
-from torch.utils.cpp_extension import load
 
-from pdserve.kernels import CFLAGS, _DIR
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kernel_ab import build_old_new   # noqa: E402  (perf/kernel_ab.py)
 
 BIND = """#include <torch/extension.h>
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -22,21 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("prefill", &paged_prefill_atten
 """
 old_rev, shape, L = sys.argv[1], sys.argv[2], int(sys.argv[3])
 chunk = int(sys.argv[4]) if len(sys.argv) > 4 else L
-work = os.path.join(tempfile.gettempdir(), "prefill_attention_blocks_lab")
-sources = {"old": subprocess.run(["git", "show", f"{old_rev}:pdserve/kernels/prefill_attention_cpu.cpp"],
-                                 capture_output=True, text=True, check=True).stdout,
-           "new": open(os.path.join(_DIR, "prefill_attention_cpu.cpp")).read()}
-mods = {}
-for v, src in sources.items():
-    d = os.path.join(work, v)
-    os.makedirs(os.path.join(d, "build"), exist_ok=True)
-    for name, text in (("kernel.cpp", src), ("bind.cpp", BIND)):
-        path = os.path.join(d, name)
-        if not os.path.exists(path) or open(path).read() != text:
-            open(path, "w").write(text)
-    mods[v] = load(f"prefill_lab_{v}", [os.path.join(d, "kernel.cpp"), os.path.join(d, "bind.cpp")],
-                   extra_include_paths=[_DIR], extra_cflags=CFLAGS, extra_ldflags=["-lgomp"],
-                   build_directory=os.path.join(d, "build"))
+mods = build_old_new("prefill_attention_cpu.cpp", old_rev, BIND, "paged_prefill_attention",
+                     "prefill_attention_blocks_lab")
 H, Hkv, D = (int(a) for a in shape.split(","))
 bs = 16
 torch.manual_seed(0)
