@@ -18,12 +18,12 @@ neighbour weighs on every point alike. Then write the numbers to RESULTS/<worklo
 (each bench result under RESULTS/<workload>[-NAME]/), a plot to RESULTS/<workload>[-NAME].png
 and a table to stdout. The default sweeps budgets only, with the cap off (`--caps 0`).
 
-    python benchmarks/budget_sweep.py --quick                  # tiny model, 3 budgets, < 1 min
-    python benchmarks/budget_sweep.py                          # the bundled tiny model, 6 budgets (~2 min)
-    python benchmarks/budget_sweep.py --model /work/q05        # the 0.5B model (~4 min)
-    python benchmarks/budget_sweep.py --model /work/q05 --budgets 512 --caps 0,16,32,64 --name caps
-    python benchmarks/budget_sweep.py --model /work/q05 --bench c32 --budgets 512 --caps 0,32 --name c32
-    python benchmarks/budget_sweep.py --dry-run                # the commands only
+    python -m benchmarks.budget_sweep --quick                  # tiny model, 3 budgets, < 1 min
+    python -m benchmarks.budget_sweep                          # the bundled tiny model, 6 budgets (~2 min)
+    python -m benchmarks.budget_sweep --model /work/q05        # the 0.5B model (~4 min)
+    python -m benchmarks.budget_sweep --model /work/q05 --budgets 512 --caps 0,16,32,64 --name caps
+    python -m benchmarks.budget_sweep --model /work/q05 --bench c32 --budgets 512 --caps 0,32 --name c32
+    python -m benchmarks.budget_sweep --dry-run                # the commands only
 """
 from __future__ import annotations
 
@@ -39,13 +39,11 @@ from datetime import datetime
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-import peers  # noqa: E402
-import servers  # noqa: E402
-from workloads import WARMUP, WORKLOADS, Workload  # noqa: E402
+from benchmarks import compare, peers
+from benchmarks.workloads import WARMUP, WORKLOADS, Workload
+from pdserve.bench import servers
 
-from pdserve.benchmarks.report import latency_samples  # noqa: E402
+from pdserve.bench.report import latency_samples  # noqa: E402
 
 REPO = compare.REPO
 DEFAULT_BUDGETS = (32, 64, 128, 256, 512, 1024)  # 512 is the engine's default
@@ -368,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     points_rows = aggregate(rows)
     best = recommend(points_rows) if args.bench == "long-short" else None
     summary = {"started": started.strftime("%Y-%m-%d %H:%M"), "duration_s": round(time.monotonic() - t0, 1),
-               "command": "python benchmarks/budget_sweep.py " + " ".join(argv), "model_dir": args.model,
+               "command": "python -m benchmarks.budget_sweep " + " ".join(argv), "model_dir": args.model,
                "workload": asdict(wl), "bench": args.bench, "rounds": args.rounds,
                "target_p99_over_median": TARGET, "seed": SEED,
                "machine": compare.machine_info(), "loadavg_end": compare.loadavg(), "log_dir": log_dir,

@@ -5,10 +5,10 @@ checkpoint) and each workload, start one system at a time on 127.0.0.1, wait for
 `pdserve bench` against it, stop it; then write the raw JSON under benchmarks/results/, latency
 CDF plots (`pdserve report`) and docs/BENCHMARKS.md with one table per workload.
 
-    python benchmarks/compare.py --quick                 # tiny model, our backends, ~1 min
-    python benchmarks/compare.py --quick --peers         # the same with vLLM and llama-server, ~2 min
-    python benchmarks/compare.py --model-05b /work/q05   # the full comparison, ~17 min
-    python benchmarks/compare.py --dry-run               # the plan, the commands, estimated times
+    python -m benchmarks.compare --quick                 # tiny model, our backends, ~1 min
+    python -m benchmarks.compare --quick --peers         # the same with vLLM and llama-server, ~2 min
+    python -m benchmarks.compare --model-05b /work/q05   # the full comparison, ~17 min
+    python -m benchmarks.compare --dry-run               # the plan, the commands, estimated times
 
 Peers are installed on first use into --peers-dir (see peers.py); a peer that cannot be
 installed or started is reported with its error in the tables and the JSON, never dropped.
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,16 +31,13 @@ import time
 from dataclasses import asdict
 from datetime import datetime
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peers  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-import servers  # noqa: E402
-from report_md import write_doc  # noqa: E402
-from workloads import Workload, plan_workloads, warmup_for  # noqa: E402
+from benchmarks import peers
+from benchmarks.report_md import write_doc
+from benchmarks.estimates import RESULT_DIRS, estimate_s, past_runs
+from benchmarks.workloads import OURS, SYSTEMS, Workload, plan_workloads, warmup_for
+from pdserve.bench import servers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS = ("engine", "static", "hf", "nocache")
-PEERS = ("vllm", "llama-server")
-SYSTEMS = OURS + PEERS
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "pdserve-bench")
 
 
@@ -296,87 +293,6 @@ def make_plots(summary: dict) -> None:
             say(f"pdserve report for {key} failed: {(proc.stderr or proc.stdout)[-300:]}")
 
 
-# ---------------------------------------------------------------- the time budget
-
-# Requests a system serves at once: hf and nocache one at a time, static in batches of 4.
-PARALLEL = {"hf": 1, "nocache": 1, "static": 4}
-RESULT_DIRS = (os.path.join(REPO, "benchmarks", "results"), os.path.join(REPO, "benchmarks", "results", "quick"))
-
-
-def work(wl: Workload, system: str) -> float:
-    """The relative cost of `wl` on `system`, for scaling a past run's time to a new size:
-    rounds of requests the system serves at once, times output tokens. nocache re-runs the
-    whole sequence for every token, so its cost also grows with the context."""
-    rounds = math.ceil(wl.num_prompts / min(wl.concurrency, PARALLEL.get(system, wl.concurrency)))
-    cost = rounds * wl.output_len
-    if system == "nocache":
-        prompt = wl.input_len if wl.dataset == "random" else (
-            wl.long_fraction * wl.long_len + (1 - wl.long_fraction) * wl.input_len)
-        cost *= prompt + wl.output_len / 2
-    return cost
-
-
-def spec_of(res: dict, name: str) -> Workload:
-    """The Workload a `pdserve bench` result JSON ran (for files no summary.json describes)."""
-    kinds = res.get("request_kinds") or [None] * len(res["input_lens"])
-    ins = [(n, k) for n, k in zip(res["input_lens"], kinds) if n]
-    short = [n for n, k in ins if k != "long"] or [0]
-    long_ = [n for n, k in ins if k == "long"]
-    return Workload(name, res["dataset_name"], int(sorted(short)[len(short) // 2]), max(res["output_lens"] or [1]),
-                    res["num_prompts"], res.get("max_concurrency") or res["num_prompts"],
-                    long_len=max(long_, default=0), long_fraction=len(long_) / max(1, len(ins)) or 0.1)
-
-
-def past_runs(dirs=RESULT_DIRS) -> list[dict]:
-    """Every measured (model, system, workload) run under `dirs`: its summary.json records (bench
-    time, server start time), then the result JSONs no summary describes (their duration)."""
-    runs, seen = [], set()
-    for d in dict.fromkeys(os.path.abspath(d) for d in dirs):
-        try:
-            with open(os.path.join(d, "summary.json"), encoding="utf-8") as f:
-                records = json.load(f)["runs"]
-        except (OSError, ValueError, KeyError):
-            records = []
-        for r in records:
-            if r.get("status") == "ok" and r.get("bench_s") and r.get("json"):
-                seen.add(os.path.normpath(os.path.join(REPO, r["json"])))
-                runs.append(dict(model=r["model"], system=r["system"], spec=Workload(**r["workload_spec"]),
-                                 seconds=r["bench_s"], ready_s=r.get("server_ready_s"), source=r["json"]))
-        for model in ("tiny", "0.5b"):
-            for wl_name in ("c32", "c1", "long-short"):
-                for system in SYSTEMS:
-                    path = os.path.normpath(os.path.join(d, model, wl_name, f"{system}.json"))
-                    if path in seen or not os.path.exists(path):
-                        continue
-                    try:
-                        with open(path, encoding="utf-8") as f:
-                            res = json.load(f)
-                        spec = spec_of(res, wl_name)
-                    except (OSError, ValueError, KeyError, TypeError):
-                        continue
-                    if res.get("failed") == 0:
-                        runs.append(dict(model=model, system=system, spec=spec, seconds=res["duration"] + 0.5,
-                                         ready_s=None, source=os.path.relpath(path, REPO)))
-    return runs
-
-
-def estimate_s(model_key: str, system: str, workloads: list[Workload], runs: list[dict]) -> tuple[float, str] | None:
-    """Seconds `system` will take on `model_key` (start, warm-up, every workload, stop), from
-    the past runs of the same system on the same model, each scaled by `work`; None without one."""
-    mine = [r for r in runs if r["model"] == model_key and r["system"] == system]
-    if not mine:
-        return None
-    total, sources = 0.0, set()
-    for wl in workloads + [warmup_for(system)]:
-        same = [r for r in mine if r["spec"].name == wl.name] or [r for r in mine if r["spec"].name == "c1"] or mine
-        # the same workload if it ran, else the biggest run (the nearest to the full size)
-        ref = next((r for r in same if r["spec"] == wl), max(same, key=lambda r: work(r["spec"], system)))
-        total += ref["seconds"] * work(wl, system) / work(ref["spec"], system)
-        sources.add(os.path.dirname(os.path.dirname(os.path.dirname(ref["source"]))) or ".")
-    ready = max((r["ready_s"] for r in mine if r["ready_s"]), default=90.0 if system == "vllm" else 10.0)
-    return total + ready + 6.0, ", ".join(sorted(sources))  # 6 s: the load sample, the stop, the start
-
-
 # ---------------------------------------------------------------- main
 
 def say(msg: str) -> None:
@@ -403,6 +319,8 @@ def parse_args(argv):
                    help="the report (default: docs/BENCHMARKS.md, or OUT_DIR/BENCHMARKS.md with --quick)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server gets to become healthy")
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
+    p.add_argument("--from-summary", default=None, metavar="FILE",
+                   help="run nothing: rewrite --doc from a run's summary.json (e.g. docs/benchmarks/summary.json)")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -427,6 +345,11 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.from_summary:
+        with open(args.from_summary, encoding="utf-8") as f:
+            write_doc(args.doc, json.load(f))
+        say(f"wrote {args.doc} from {args.from_summary}")
+        return 0
     # SIGTERM unwinds like Ctrl-C, so the `finally` that stops the running server still runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started, t0 = datetime.now(), time.monotonic()
@@ -436,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             "system (torch's threads suffer most); the numbers are only comparable on a quiet machine")
     log_dir = os.path.join(args.cache_dir, "logs", started.strftime("%Y%m%d-%H%M%S"))
     models = resolve_models(args)
-    summary = {"started": started.strftime("%Y-%m-%d %H:%M"), "command": "python benchmarks/compare.py "
+    summary = {"started": started.strftime("%Y-%m-%d %H:%M"), "command": "python -m benchmarks.compare "
                + " ".join(argv), "args": {k: v for k, v in vars(args).items()}, "machine": machine_info(),
                "loadavg_start": loadavg(), "models": models, "workloads": {}, "runs": [], "plots": {},
                "out_dir": args.out_dir, "summary_path": os.path.join(args.out_dir, "summary.json"),
@@ -473,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     summary["versions"] = peer_versions(args.systems, args.peers_dir)
     make_plots(summary)
+    if not args.quick:
+        publish(summary)
     save(summary, args, t0)
     say(f"wrote {args.doc} and {summary['summary_path']} in {(time.monotonic() - t0) / 60:.1f} min")
     return 0 if all(r["status"] == "ok" for r in summary["runs"]) else 1
@@ -495,12 +420,27 @@ def print_plan(runs: list[dict], estimates: dict, total_min: float | None) -> No
               + ("" if all(estimates.values()) else " (systems without a past run not counted)"))
 
 
+PUBLISHED = os.path.join(REPO, "docs", "benchmarks")
+
+
+def publish(summary: dict) -> None:
+    """A full run's summary and plots go beside docs/BENCHMARKS.md, the only results kept in git
+    (the raw per-run JSON stays in the git-ignored out dir)."""
+    os.makedirs(os.path.join(PUBLISHED, "plots"), exist_ok=True)
+    for key, path in summary["plots"].items():
+        dest = os.path.join(PUBLISHED, "plots", key.replace("/", "-") + ".png")
+        shutil.copyfile(path, dest)
+        summary["plots"][key] = os.path.relpath(dest, REPO)
+    summary["summary_path"] = os.path.join(PUBLISHED, "summary.json")
+
+
 def save(summary: dict, args, t0: float) -> None:
     summary["duration_s"] = round(time.monotonic() - t0, 1)
     summary["loadavg_end"] = loadavg()
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(summary["summary_path"], "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=1)
+    for path in {os.path.join(args.out_dir, "summary.json"), summary["summary_path"]}:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
     write_doc(args.doc, summary)
 
 

@@ -1,7 +1,7 @@
 """Fuzz: schemathesis against the server's own OpenAPI schema, every endpoint, on loopback.
 
-    python benchmarks/fuzz.py                    # >= 1000 generated cases on a tiny llama (a few minutes)
-    python benchmarks/fuzz.py --num-cases 100    # the size tests/reliability/test_fuzz.py runs
+    python -m benchmarks.fuzz                    # >= 1000 generated cases on a tiny llama (a few minutes)
+    python -m benchmarks.fuzz --num-cases 100    # the size tests/reliability/test_fuzz.py runs
 
 It starts `pdserve serve` on a tiny random checkpoint with a short context (--max-model-len 128,
 so no generated request can decode for long), loads /openapi.json, and lets schemathesis generate
@@ -28,9 +28,8 @@ import time
 import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from servers import Server, free_port  # noqa: E402
-from soak import is_idle, wait_idle  # noqa: E402
+from benchmarks.soak import is_idle, wait_idle
+from pdserve.bench.servers import Server, free_port
 
 DEFAULT_OUT = os.path.join(HERE, "results", "reliability", "fuzz.json")
 

@@ -1,6 +1,6 @@
 """Overload: offer 10x what the server completes and measure how it refuses.
 
-    python benchmarks/overload.py            # about a minute; loopback only
+    python -m benchmarks.overload            # about a minute; loopback only
 
 Starts `pdserve serve` (the bundled default model unless --model) with a small --max-waiting,
 measures the rate at which it completes requests when saturated (closed loop), then offers
@@ -20,8 +20,7 @@ import time
 import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from servers import Server, free_port  # noqa: E402
+from pdserve.bench.servers import Server, free_port
 
 DEFAULT_MODEL = os.path.join(HERE, "..", "pdserve", "data", "default-model")
 OUT = os.path.join(HERE, "results", "reliability", "overload.json")

@@ -15,9 +15,9 @@ their own process group on 127.0.0.1 and stopped by that group's id.
 
 Standalone use (what compare.py does, one step at a time):
 
-    python benchmarks/peers.py install all
-    python benchmarks/peers.py serve vllm --model DIR --port 8100        # Ctrl-C stops it
-    python benchmarks/peers.py check --base-url http://127.0.0.1:8100
+    python -m benchmarks.peers install all
+    python -m benchmarks.peers serve vllm --model DIR --port 8100        # Ctrl-C stops it
+    python -m benchmarks.peers check --base-url http://127.0.0.1:8100
 """
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ import sys
 import tarfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from servers import PeerError, Server, check_completion, free_port, log_tail  # noqa: E402
+from pdserve.bench.servers import PeerError, Server, check_completion, free_port, log_tail
 
 VLLM_VERSION = "0.32.0"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # its sdist vendors the llama.cpp tree we build llama-server from

@@ -5,7 +5,7 @@ round by round in one process so that a drift in the machine's bandwidth hits al
 Accuracy: next-token distributions on a fixed prompt set, teacher-forced (every position of
 every prompt, one prefill).
 
-    python benchmarks/quant_accuracy.py --model DIR [--prompts 16 --prompt-len 128 --rounds 5]
+    python -m benchmarks.quant_accuracy --model DIR [--prompts 16 --prompt-len 128 --rounds 5]
 
 Per precision: top-1 agreement with fp32, mean overlap of the top-5 sets, how often fp32's top
 token is in the other's top-5 (vLLM's rule for comparing precisions), mean KL(fp32 || other) and

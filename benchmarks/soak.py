@@ -2,8 +2,8 @@
 
 One command, loopback only, bounded in count (--num-requests) and time (--timeout per request):
 
-    python benchmarks/soak.py                       # 2000 requests on a tiny llama (~10 min on 2 cores)
-    python benchmarks/soak.py --num-requests 200    # the size tests/reliability/test_soak.py runs
+    python -m benchmarks.soak                       # 2000 requests on a tiny llama (~10 min on 2 cores)
+    python -m benchmarks.soak --num-requests 200    # the size tests/reliability/test_soak.py runs
 
 It starts `pdserve serve` (engine backend) on a tiny random checkpoint with a KV cache of
 --num-kv-blocks blocks, small enough that the scheduler preempts many times, warms it up, then
@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from servers import Server, free_port, scrape_metrics  # noqa: E402
+from pdserve.bench.servers import Server, free_port, scrape_metrics
 
 DEFAULT_OUT = os.path.join(HERE, "results", "reliability", "soak.json")
 RSS_TOLERANCE = 0.05

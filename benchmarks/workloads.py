@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
+OURS = ("engine", "static", "hf", "nocache")   # pdserve's backends
+PEERS = ("vllm", "llama-server")
+SYSTEMS = OURS + PEERS
+
 @dataclass(frozen=True)
 class Workload:
     name: str

@@ -7,9 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
-sys.path.insert(0, BENCHMARKS)
-import budget_sweep  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import budget_sweep
 
 
 def result(rows, throughput=100.0):
@@ -61,8 +61,8 @@ def test_recommend_takes_the_fastest_budget_meeting_the_target_else_the_nearest(
 
 
 def test_dry_run_prints_one_server_per_budget():
-    out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "budget_sweep.py"), "--dry-run", "--quick",
-                          "--budgets", "64,16"], capture_output=True, text=True, check=True, timeout=120).stdout
+    out = subprocess.run([sys.executable, "-m", "benchmarks.budget_sweep", "--dry-run", "--quick",
+                          "--budgets", "64,16"], capture_output=True, text=True, check=True, timeout=120, cwd=REPO).stdout
     lines = out.splitlines()
     budgets = [ln.split("--max-num-batched-tokens ")[1].split()[0] for ln in lines if "pdserve serve" in ln]
     assert budgets == ["16", "64"]
@@ -96,9 +96,9 @@ def test_c32_summary_keeps_the_bench_aggregates():
 
 
 def test_dry_run_crosses_budgets_and_caps_and_names_the_results():
-    out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "budget_sweep.py"), "--dry-run", "--quick",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.budget_sweep", "--dry-run", "--quick",
                           "--budgets", "512", "--caps", "32,0", "--bench", "c32", "--name", "t"],
-                         capture_output=True, text=True, check=True, timeout=120).stdout
+                         capture_output=True, text=True, check=True, timeout=120, cwd=REPO).stdout
     serves = [ln for ln in out.splitlines() if "pdserve serve" in ln]
     assert [ln.split("--max-prefill-tokens-with-decodes ")[1].split()[0] for ln in serves] == ["0", "32"]
     benches = [ln for ln in out.splitlines() if "pdserve bench" in ln]
@@ -108,6 +108,6 @@ def test_dry_run_crosses_budgets_and_caps_and_names_the_results():
 
 @pytest.mark.parametrize("flag", [["--caps", "-1"], ["--caps", "x"], ["--rounds", "0"], ["--name", "a/b"]])
 def test_bad_sweep_arguments_are_refused(flag):
-    r = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "budget_sweep.py"), "--dry-run", "--quick", *flag],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.budget_sweep", "--dry-run", "--quick", *flag],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and "error:" in r.stderr

@@ -1,12 +1,7 @@
 """benchmarks/quant_accuracy.py's metrics, on made-up distributions, and one real run on a tiny model."""
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "benchmarks"))
-import quant_accuracy  # noqa: E402
+from benchmarks import quant_accuracy
 
 
 def test_identical_distributions_agree_fully():

@@ -13,9 +13,7 @@ import time
 import httpx
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "benchmarks"))
-from servers import free_port, scrape_metrics as metrics  # noqa: E402  (re-exported to the tests)
+from pdserve.bench.servers import free_port, scrape_metrics as metrics  # re-exported to the tests
 
 
 def wait_for(url: str, predicate, timeout: float = 20.0) -> dict[str, float]:

@@ -1,0 +1,555 @@
+"""`pdserve roofline`: this machine's limits, and the engine's own forward measured against them.
+
+It measures the two roofs (memory read bandwidth, matrix-multiply peak per dtype; see
+machine_limits.py), then drives the engine's ModelRunner with hand-built steps: prefills of one
+prompt, decodes of B sequences at context C (one new token each against a filled cache), and the
+`nocache` decode that re-runs the whole sequence for one token. Every step's FLOPs and bytes are
+counted from the model config, so each point has an arithmetic intensity (FLOP per byte moved),
+a roof min(peak, AI x bandwidth) and the fraction of it reached. That shows, measured, what the
+design rests on: prefill is compute-bound, decode is memory-bound, batching decodes amortizes the
+weight read but not the KV read, and decoding without a cache costs a prefill per token."""
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pdserve.config import ModelConfig
+from pdserve.engine.args import add_engine_args, engine_kwargs, int_at_least
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.sampling_params import SamplingParams
+
+QUICK = dict(prefill_lens=[32, 128, 512], decode_batches=[1, 4, 16], decode_contexts=[128, 512], repeats=2)
+FULL = dict(prefill_lens=[16, 32, 64, 128, 256, 512, 1024, 2048], decode_batches=[1, 2, 4, 8, 16, 32, 64],
+            decode_contexts=[128, 256, 512, 1024, 2048], repeats=3)
+OVERHEAD_STEPS = 5
+COLORS = {"prefill": "tab:blue", "decode": "tab:orange", "nocache": "tab:red"}
+
+
+# --- what a step costs, counted from the config ------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelCost:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    body_matmul_params: int   # linear weights of the decoder (each used once by every token)
+    body_other_params: int    # norms and biases: read once per forward, next to no FLOPs
+    lm_head_params: int       # used once per row that gets logits
+    embed_row_params: int     # gathered per token (token embedding; OPT's learned position too)
+    sliding_window: int | None
+    itemsize: int                 # bytes per activation, KV element and non-matmul weight
+    weight_itemsize: float = 0.0  # bytes per linear (and lm_head) weight, if not itemsize: int8 = 1
+
+    @classmethod
+    def from_config(cls, m: ModelConfig, itemsize: int, weight_itemsize: float = 0.0) -> "ModelCost":
+        h, H, Hkv, D, I, L = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size,
+                              m.num_layers)
+        raw = m.raw
+        if m.architecture == "OPTForCausalLM":
+            proj = raw.get("word_embed_proj_dim") or h
+            bias = raw.get("enable_bias", True)
+            affine = raw.get("layer_norm_elementwise_affine", True)
+            final_ln = raw.get("do_layer_norm_before", True) and not raw.get("_remove_final_layer_norm", False)
+            matmul = L * (4 * h * h + 2 * h * I) + (2 * proj * h if proj != h else 0)
+            other = L * ((5 * h + I if bias else 0) + (4 * h if affine else 0)) + (2 * h if final_ln and affine else 0)
+            return cls(L, H, H, D, matmul, other, proj * m.vocab_size, proj + h, None, itemsize, weight_itemsize)
+        qwen2 = m.architecture == "Qwen2ForCausalLM"
+        qkv_bias = qwen2 or raw.get("attention_bias", False)
+        o_bias = not qwen2 and raw.get("attention_bias", False)
+        matmul = L * (2 * h * H * D + 2 * h * Hkv * D + 3 * h * I)
+        biases = (H * D + 2 * Hkv * D if qkv_bias else 0) + (h if o_bias else 0) + \
+                 (2 * I + h if raw.get("mlp_bias", False) else 0)
+        other = L * (2 * h + biases) + h
+        return cls(L, H, Hkv, D, matmul, other, h * m.vocab_size, h, m.sliding_window, itemsize, weight_itemsize)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+
+@dataclass
+class StepCost:
+    flops_linear: int
+    flops_attn: int
+    flops_lm_head: int
+    bytes_weights: int
+    bytes_kv_read: int
+    bytes_kv_write: int
+
+    @property
+    def flops(self) -> int:
+        return self.flops_linear + self.flops_attn + self.flops_lm_head
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_weights + self.bytes_kv_read + self.bytes_kv_write
+
+
+def step_cost(m: ModelCost, seqs: list[tuple[int, int]], logit_rows: int) -> StepCost:
+    """Cost of one forward over `seqs`, each (new tokens, context after the step), with logits
+    for `logit_rows` rows. Attention counts the causal (useful) work: a query at position p scores
+    and sums min(p + 1, window) keys. Bytes are the least a forward must move: every weight once
+    (embedding rows per token, the lm_head only if some row gets logits), each sequence's K/V once,
+    the new K/V written; activations are not counted."""
+    T = sum(q for q, _ in seqs)
+    keys = kv_tokens = 0
+    for q, c in seqs:
+        w = m.sliding_window or c
+        keys += sum(min(p + 1, w) for p in range(c - q, c))
+        kv_tokens += min(c, q + w - 1)   # the keys any of its queries sees, each read once
+    matmul = m.body_matmul_params + (m.lm_head_params if logit_rows else 0)
+    return StepCost(
+        flops_linear=2 * m.body_matmul_params * T,
+        flops_attn=4 * m.num_layers * m.num_heads * m.head_dim * keys,   # QK^T and PV, 2 FLOPs per MAC
+        flops_lm_head=2 * m.lm_head_params * logit_rows,
+        bytes_weights=matmul * (m.weight_itemsize or m.itemsize) + (m.body_other_params + m.embed_row_params * T) * m.itemsize,
+        bytes_kv_read=kv_tokens * m.kv_bytes_per_token,
+        bytes_kv_write=T * m.kv_bytes_per_token)
+
+
+def phase_steps(phase: str, batch: int, context: int) -> tuple[list[tuple[int, int]], int]:
+    """The sequences of one measured step and how many get logits."""
+    if phase == "decode":
+        return [(1, context)] * batch, batch
+    return [(context, context)], 1   # prefill, and nocache: one token by re-running the whole sequence
+
+
+# --- measuring the engine's forward -------------------------------------------------------------
+
+def time_step(engine, seqs: list[tuple[int, int]], ids: list[int], repeats: int) -> tuple[list[float], list[float]]:
+    """Run one hand-built step (after a warm-up) and return its forward times and its whole
+    runner.execute times (with input preparation and sampling)."""
+    bm, runner = engine.block_manager, engine.runner
+    sched, params = SchedulerOutput(), SamplingParams(temperature=0)
+    forward, execute = [], []
+    try:
+        for i, (q, c) in enumerate(seqs):
+            seq = Sequence(f"roofline-{i}", ids[:c], params, 0.0)
+            # Pretend the first c - q tokens are cached: only positions and lengths matter for timing.
+            seq.num_computed_tokens = c - q
+            seq.prefill_len = c if q > 1 else c - 1
+            bm.allocate(seq, c)
+            sched.add(seq, q)
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            runner.execute(sched)
+            if r:
+                execute.append(time.perf_counter() - t0)
+                forward.append(runner.last_forward_time)
+    finally:
+        for seq in sched.seqs:
+            bm.free(seq)
+    return forward, execute
+
+
+def overhead_max_tokens(batch: int, context: int, budget: int, steps: int = OVERHEAD_STEPS,
+                        prefill_cap: int = 0) -> int:
+    """Tokens each overhead request may generate: enough that none finishes before the timed steps end.
+    The prefills take at most ceil(batch x context / per_step) + 1 steps, decoding the early
+    requests meanwhile; per_step is budget - batch, or less under the decode-aware prefill cap."""
+    per_step = min(prefill_cap, budget - batch) if prefill_cap else budget - batch
+    return -(-batch * context // per_step) + 1 + steps + 2
+
+
+def engine_overhead(engine, batch: int, context: int, ids: list[int], steps: int = OVERHEAD_STEPS,
+                    final_only: bool = False) -> dict:
+    """Whole engine.step() (schedule, prepare, forward, sample, detokenize, outputs) against the
+    runner's forward, for a decode batch of real requests: streamed (an output per request and
+    step), or final_only (LLM.generate's and non-streamed responses' requests)."""
+    max_tokens = overhead_max_tokens(batch, context, engine.config.max_num_batched_tokens, steps,
+                                     engine.config.max_prefill_tokens_with_decodes)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, final_only=final_only)
+    rids = [f"roofline-overhead-{i}" for i in range(batch)]
+    for rid in rids:
+        engine.add_request(rid, ids[:context], params)
+    while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
+        engine.step()   # the prefills, under the engine's own token budget
+    engine.step()       # warm-up decode
+    step_t, forward_t, outputs = [], [], 0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outputs += len(engine.step())
+        step_t.append(time.perf_counter() - t0)
+        forward_t.append(engine.runner.last_forward_time)
+        s = engine.last_step
+        if s.num_prefill_tokens or s.num_decode_tokens != batch:
+            raise RuntimeError(f"overhead step was not a pure decode of {batch}: {s}")
+    for rid in rids:
+        engine.abort_request(rid)
+    engine.step()
+    engine.block_manager.check_all_free()
+    step, forward = statistics.median(step_t), statistics.median(forward_t)
+    return dict(batch=batch, context=context, steps=steps, final_only=final_only, outputs_per_step=outputs / steps,
+                step_ms=step * 1e3, forward_ms=forward * 1e3,
+                overhead_ms=(step - forward) * 1e3, overhead_pct=100 * (step - forward) / step)
+
+
+def side_by_side_read(engine, steps: dict[int, tuple[StepCost, list[tuple[int, int]]]], ids: list[int],
+                      read_bytes: int, rounds: int) -> dict:
+    """Small-batch decode steps against the time to read their bytes at the bandwidth probed just
+    before them, round after round. This VM's bandwidth drifts by 1.6x within minutes
+    (docs/BENCHMARKS.md): a roof probed minutes away from a step says little about its ratio to it.
+    steps: batch -> (its cost, its sequences)."""
+    from pdserve.bench import machine_limits
+    x = machine_limits.probe_array(read_bytes)
+    threads, bws = torch.get_num_threads(), []
+    out = {b: dict(bytes=cost.bytes, step_s=[], ratio=[]) for b, (cost, _) in steps.items()}
+    for _ in range(rounds):
+        bw = max(machine_limits.read_bandwidth(x, threads, 2), machine_limits.kernel_gemv_bandwidth(x, 2))
+        bws.append(bw)
+        for b, (cost, seqs) in steps.items():
+            t = statistics.median(time_step(engine, seqs, ids, 3)[0])
+            out[b]["step_s"].append(t)
+            out[b]["ratio"].append(t / (cost.bytes / bw))
+    for r in out.values():
+        r["ratio_median"] = statistics.median(r["ratio"])
+    context = next(iter(steps.values()))[1][0][1]
+    return dict(context=context, rounds=rounds, bandwidth=bws, batches={str(b): r for b, r in out.items()})
+
+
+def side_by_side_peak(engine, steps: dict[str, tuple[StepCost, list[tuple[int, int]]]], ids: list[int],
+                      dtype: str, gemm_n: int, rounds: int) -> dict:
+    """Compute-bound steps against the GEMM peak probed just before them, round after round: the
+    compute-side twin of side_by_side_read. A neighbour that takes a core for a minute slows the
+    probe and the steps of that round alike, where a peak probed minutes away (the sweep's best
+    of before and after) would count it against the steps alone. steps: name -> (cost, sequences)."""
+    from pdserve.bench import machine_limits
+
+    def peak() -> float:
+        torch_peak = machine_limits.gemm_flops(gemm_n, machine_limits.DTYPES[dtype], 2)
+        return max(torch_peak, machine_limits.kernel_gemm_flops(gemm_n, 2)) if dtype == "float32" else torch_peak
+
+    peaks = []
+    out = {name: dict(flops=cost.flops, step_s=[], fraction=[]) for name, (cost, _) in steps.items()}
+    for _ in range(rounds):
+        p = peak()
+        peaks.append(p)
+        for name, (cost, seqs) in steps.items():
+            t = statistics.median(time_step(engine, seqs, ids, 1)[0])
+            out[name]["step_s"].append(t)
+            out[name]["fraction"].append(cost.flops / t / p)
+    for r in out.values():
+        r["fraction_median"] = statistics.median(r["fraction"])
+    return dict(rounds=rounds, gemm_n=gemm_n, peak_flops=peaks, steps=out)
+
+
+# --- one measured point, and what it says ---------------------------------------------------------
+
+def record(phase: str, batch: int, context: int, cost: StepCost, logit_rows: int, forward: list[float],
+           execute: list[float], peak: float, bandwidth: float) -> dict:
+    t = statistics.median(forward)
+    tokens = batch if phase == "decode" else context
+    ai = cost.flops / cost.bytes
+    roof = min(peak, ai * bandwidth)
+    return dict(
+        phase=phase, batch=batch, context=context, tokens=tokens, output_tokens=logit_rows,
+        time_s=t, times_s=forward, execute_s=statistics.median(execute),
+        flops=cost.flops, flops_linear=cost.flops_linear, flops_attn=cost.flops_attn,
+        flops_lm_head=cost.flops_lm_head, bytes=cost.bytes, bytes_weights=cost.bytes_weights,
+        bytes_kv_read=cost.bytes_kv_read, bytes_kv_write=cost.bytes_kv_write,
+        flops_per_token=cost.flops / tokens,
+        body_flops_per_token=(cost.flops_linear + cost.flops_attn) / tokens,
+        weight_bytes_per_token=cost.bytes_weights / tokens, kv_read_bytes_per_token=cost.bytes_kv_read / tokens,
+        arithmetic_intensity=ai, achieved_flops=cost.flops / t, achieved_bandwidth=cost.bytes / t,
+        roof_flops=roof, bound="compute" if ai * bandwidth >= peak else "memory",
+        fraction_of_roof=cost.flops / t / roof, time_per_output_token_s=t / logit_rows)
+
+
+def find(recs: list[dict], phase: str, batch: int | None = None, context: int | None = None) -> list[dict]:
+    return [r for r in recs if r["phase"] == phase and batch in (None, r["batch"]) and context in (None, r["context"])]
+
+
+def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhead: dict | None,
+             read: dict | None = None, overhead_final: dict | None = None, peak_rounds: dict | None = None) -> list[str]:
+    """Short statements computed from the measured points (each one only if its points exist)."""
+    def get(phase, batch, context):
+        return next(iter(find(recs, phase, batch, context)), None)
+
+    out, ridge = [], peak / bandwidth
+    pre, dec = find(recs, "prefill"), find(recs, "decode")
+    batches, contexts = sorted({r["batch"] for r in dec}), sorted({r["context"] for r in dec})
+    ends = sorted({contexts[0], contexts[-1]}) if contexts else []
+    common = sorted({r["context"] for r in pre} & {r["context"] for r in find(recs, "decode", 1)})
+    if common:
+        n = common[-1]
+        p, d = get("prefill", 1, n), get("decode", 1, n)
+        out.append(f"FLOPs per token, layers + attention: prefill {n} {p['body_flops_per_token'] / 1e6:.1f} M, "
+                   f"decode at context {n} {d['body_flops_per_token'] / 1e6:.1f} M (ratio "
+                   f"{d['body_flops_per_token'] / p['body_flops_per_token']:.2f}); the lm_head adds "
+                   f"{d['flops_lm_head'] / 1e6:.1f} M per sampled token (every decode token, one per prompt)")
+    if pre:
+        p = max(pre, key=lambda r: r["context"])
+        out.append(f"prefill {p['context']}: {p['achieved_flops'] / 1e9:.1f} GFLOP/s = "
+                   f"{100 * p['achieved_flops'] / peak:.0f}% of the {dtype} GEMM peak; AI "
+                   f"{p['arithmetic_intensity']:.0f} FLOP/B vs ridge {ridge:.1f}: {p['bound']}-bound")
+    if dec:
+        d = min(dec, key=lambda r: (r["batch"], r["context"]))
+        out.append(f"decode batch {d['batch']}, context {d['context']}: AI {d['arithmetic_intensity']:.2f} FLOP/B "
+                   f"vs ridge {ridge:.1f}: {d['bound']}-bound; moves {d['achieved_bandwidth'] / 1e9:.1f} GB/s = "
+                   f"{100 * d['achieved_bandwidth'] / bandwidth:.0f}% of the measured bandwidth")
+    for c in ends if len(batches) > 1 else []:
+        b0, b1 = batches[0], batches[-1]
+        lo, hi = get("decode", b0, c), get("decode", b1, c)
+        if lo and hi:
+            kv_share = 100 * (hi["bytes_kv_read"] + hi["bytes_kv_write"]) / hi["bytes"]
+            out.append(f"decode context {c}, batch {b0} -> {b1}: weight bytes per token "
+                       f"/{lo['weight_bytes_per_token'] / hi['weight_bytes_per_token']:.0f}, KV read per token "
+                       f"{lo['kv_read_bytes_per_token'] / 1e6:.2f} -> {hi['kv_read_bytes_per_token'] / 1e6:.2f} MB "
+                       f"(KV is {kv_share:.0f}% of the bytes at batch {b1}); time per step "
+                       f"x{hi['time_s'] / lo['time_s']:.1f}, tokens/s x{(b1 / hi['time_s']) / (b0 / lo['time_s']):.1f}")
+    if len(ends) == 2:
+        # what the longer context costs at the largest batch: the effective rate of its extra KV read
+        b = batches[-1]
+        short, long = get("decode", b, ends[0]), get("decode", b, ends[1])
+        if short and long and long["time_s"] > short["time_s"]:   # noise can invert two cheap steps
+            extra, dt = long["bytes_kv_read"] - short["bytes_kv_read"], long["time_s"] - short["time_s"]
+            out.append(f"decode batch {b}, context {ends[0]} -> {ends[1]}: +{extra / 1e9:.2f} GB of KV read per "
+                       f"step cost +{dt * 1e3:.0f} ms, i.e. {extra / dt / 1e9:.2f} GB/s (measured bandwidth "
+                       f"{bandwidth / 1e9:.1f} GB/s)")
+    for c in ends:
+        rates = [f"batch {r['batch']} {r['batch'] / r['time_s']:.1f}" for r in find(dec, "decode", context=c)]
+        out.append(f"decode tokens/s at context {c}: " + ", ".join(rates))
+    ratios = [(r["context"], r["time_s"] / d["time_s"]) for r in find(recs, "nocache")
+              if (d := get("decode", 1, r["context"]))]
+    if ratios:
+        out.append("nocache decode (re-runs the sequence per token) vs cached decode, batch 1: " +
+                   ", ".join(f"context {c}: x{x:.1f}" for c, x in ratios))
+    for b, r in (read or {}).get("batches", {}).items():
+        out.append(f"decode batch {b}, context {read['context']}, side by side with a read probe ({read['rounds']} "
+                   f"rounds, probe {min(read['bandwidth']) / 1e9:.1f}-{max(read['bandwidth']) / 1e9:.1f} GB/s): "
+                   f"{r['ratio_median']:.2f}x the time to read its {r['bytes'] / 1e6:.0f} MB (rounds "
+                   f"{min(r['ratio']):.2f}-{max(r['ratio']):.2f}; step {min(r['step_s']) * 1e3:.1f}-"
+                   f"{max(r['step_s']) * 1e3:.1f} ms)")
+    for name, r in (peak_rounds or {}).get("steps", {}).items():
+        ps = peak_rounds["peak_flops"]
+        out.append(f"{name}, side by side with a GEMM probe ({peak_rounds['rounds']} rounds, probe "
+                   f"{min(ps) / 1e9:.1f}-{max(ps) / 1e9:.1f} GFLOP/s): {100 * r['fraction_median']:.0f}% of the "
+                   f"probed peak (rounds {100 * min(r['fraction']):.0f}-{100 * max(r['fraction']):.0f}%; step "
+                   f"{min(r['step_s']) * 1e3:.1f}-{max(r['step_s']) * 1e3:.1f} ms)")
+    if overhead:
+        o = overhead
+        out.append(f"engine overhead, decode batch {o['batch']} at context {o['context']} (median of "
+                   f"{o['steps']} steps): engine.step() {o['step_ms']:.2f} ms, forward "
+                   f"{o['forward_ms']:.2f} ms, overhead {o['overhead_ms']:.2f} ms ({o['overhead_pct']:.1f}%)")
+    if overhead_final:
+        o = overhead_final
+        out.append(f"the same for final-only requests (no output per step: LLM.generate, non-streamed "
+                   f"responses): overhead {o['overhead_ms']:.2f} ms ({o['overhead_pct']:.1f}%)")
+    return out
+
+
+def print_table(recs: list[dict]) -> None:
+    if not recs:
+        return
+    cols = [("phase", "{}", "phase"), ("B", "{}", "batch"), ("ctx", "{}", "context"), ("tok", "{}", "tokens"),
+            ("ms", "{:.2f}", "time_s", 1e3), ("GFLOP", "{:.3f}", "flops", 1e-9), ("MB", "{:.1f}", "bytes", 1e-6),
+            ("FLOP/B", "{:.2f}", "arithmetic_intensity"), ("GFLOP/s", "{:.1f}", "achieved_flops", 1e-9),
+            ("GB/s", "{:.1f}", "achieved_bandwidth", 1e-9), ("roof", "{:.1f}", "roof_flops", 1e-9),
+            ("bound", "{}", "bound"), ("%roof", "{:.0f}", "fraction_of_roof", 100)]
+    rows = [[fmt.format(r[key] * scale[0] if scale else r[key]) for _, fmt, key, *scale in cols] for r in recs]
+    widths = [max(len(c[0]), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    print("  ".join(c[0].rjust(w) for c, w in zip(cols, widths)))
+    for row in rows:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def plot(path: str, recs: list[dict], limits, dtype: str, model_name: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peak, bw = limits.peak_flops(dtype), limits.bandwidth
+    ais = [r["arithmetic_intensity"] for r in recs] + [peak / bw]
+    x = torch.logspace(torch.log10(torch.tensor(min(ais) / 2)), torch.log10(torch.tensor(max(ais) * 2)), 200).tolist()
+    fig, ax = plt.subplots(figsize=(9, 6))
+    ax.plot(x, [min(peak, a * bw) for a in x], color="black", lw=2,
+            label=f"roof: {bw / 1e9:.1f} GB/s, {dtype} GEMM {peak / 1e9:.0f} GFLOP/s")
+    for name, f in limits.gemm_flops.items():
+        if name != dtype:
+            ax.axhline(f, color="gray", ls="--", lw=1, label=f"{name} GEMM {f / 1e9:.0f} GFLOP/s")
+    lo, hi = (min(r["context"] for r in find(recs, "decode")), max(r["context"] for r in find(recs, "decode"))) \
+        if find(recs, "decode") else (None, None)
+    for phase, color in COLORS.items():
+        pts = find(recs, phase)
+        if not pts:
+            continue
+        xs, ys = [r["arithmetic_intensity"] for r in pts], [r["achieved_flops"] for r in pts]
+        if phase == "nocache":   # the same step as a prefill of the context: a ring around that point
+            ax.scatter(xs, ys, s=90, facecolors="none", edgecolors=color, zorder=4,
+                       label="nocache decode (= prefill of its context)")
+            continue
+        ax.scatter(xs, ys, color=color, label=phase, zorder=3, s=24)
+        for r in pts:
+            label = str(r["context"]) if phase == "prefill" else \
+                f"b{r['batch']}/{r['context']}" if r["context"] in (lo, hi) else ""
+            ax.annotate(label, (r["arithmetic_intensity"], r["achieved_flops"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
+    ax.set_ylabel("achieved FLOP/s")
+    ax.set_title(f"{model_name} ({dtype}) {limits.threads} thread(s); decode labels: b<batch>/<context>")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+def int_list(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help=f"few small points and smaller probes (prefill {QUICK['prefill_lens']}, decode batches "
+                             f"{QUICK['decode_batches']} x contexts {QUICK['decode_contexts']})")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per point after a warm-up "
+                        f"(default {FULL['repeats']}, quick {QUICK['repeats']}); the median is reported")
+    parser.add_argument("--prefill-lens", type=int_list, default=None, help="comma-separated prompt lengths")
+    parser.add_argument("--decode-batches", type=int_list, default=None, help="comma-separated decode batch sizes")
+    parser.add_argument("--decode-contexts", type=int_list, default=None,
+                        help="comma-separated decode context lengths (also the nocache points)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for the probes and the engine (default: torch's own choice)")
+    parser.add_argument("--overhead-batch", type=int, default=8, help="decode batch for the engine overhead")
+    parser.add_argument("--overhead-steps", type=int_at_least(1), default=OVERHEAD_STEPS,
+                        help=f"decode steps timed for the engine overhead, the median reported (default "
+                             f"{OVERHEAD_STEPS}; a tiny model's steps take milliseconds and vary: give it 64 or more)")
+    parser.add_argument("--read-rounds", type=int, default=6,
+                        help="rounds of (read probe, decode steps of batch 1 and 4) side by side at the smallest "
+                             "decode context: each step's ratio to the time to read its bytes (0: skip)")
+    parser.add_argument("--peak-rounds", type=int, default=0,
+                        help="rounds of (GEMM probe, the compute-bound steps: every prefill length and the decode "
+                             "batches past the ridge at the smallest decode context) side by side: each step's "
+                             "fraction of the peak probed right before it (default 0: skip)")
+    parser.add_argument("--output", default=None, help="write all measurements as JSON to this file")
+    parser.add_argument("--plot", default=None, help="write the roofline plot (PNG) to this file")
+    add_engine_args(parser)
+
+
+def plan(args, kwargs: dict, limit: int) -> tuple[list[tuple[str, int, int]], tuple[int, int, int]]:
+    """The measured points (phase, batch, context) within the model's context, and the overhead
+    run (batch, prompt length, max tokens). Sizes the KV cache for the largest of them unless the
+    user did: points run one at a time."""
+    preset = QUICK if args.quick else FULL
+    asked_prefill = args.prefill_lens or preset["prefill_lens"]
+    asked_contexts = args.decode_contexts or preset["decode_contexts"]
+    prefill, contexts = [n for n in asked_prefill if n <= limit], [c for c in asked_contexts if c <= limit]
+    batches = args.decode_batches or preset["decode_batches"]
+    if len(prefill + contexts) < len(asked_prefill + asked_contexts):
+        print(f"skipped lengths beyond the model's context of {limit} tokens")
+    points = [("prefill", 1, n) for n in prefill] + [("decode", b, c) for c in contexts for b in batches] + \
+             [("nocache", 1, c) for c in contexts]
+    # The overhead run: real requests at the smallest decode context, prefilled by the engine itself.
+    budget = kwargs["max_num_batched_tokens"]
+    ob = max(1, min(args.overhead_batch, kwargs["max_num_seqs"], budget // 2))
+    oc = min(contexts or prefill or [16])
+    cap = kwargs.get("max_prefill_tokens_with_decodes", 0)
+    steps = args.overhead_steps
+    while oc > 1 and oc + overhead_max_tokens(ob, oc, budget, steps, cap) > limit:
+        oc //= 2
+    om = overhead_max_tokens(ob, oc, budget, steps, cap)
+    if kwargs["num_kv_blocks"] is None and kwargs["kv_cache_memory"] is None:
+        bs = kwargs["block_size"]
+        kwargs["num_kv_blocks"] = max([ob * -(-(oc + om) // bs)] + [b * -(-c // bs) for _, b, c in points])
+    return points, (ob, oc, om)
+
+
+def run(args) -> int:
+    from pdserve.bench import machine_limits
+    from pdserve.engine.llm_engine import LLMEngine
+
+    kwargs = engine_kwargs(args)
+    if (kwargs["device"] or "cpu") != "cpu":
+        print("pdserve roofline: error: the machine probes measure the CPU; run it with --device cpu")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (QUICK if args.quick else FULL)["repeats"]
+    cfg = ModelConfig.from_dir(args.model)
+    limit = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    points, (ob, oc, om) = plan(args, kwargs, limit)
+
+    print(f"machine: {machine_limits.cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    engine = LLMEngine(**kwargs)
+    dtype = str(engine.runner.dtype).removeprefix("torch.")
+    probe_args = (args.quick, ["float32", "bfloat16", dtype], max(repeats, 3))
+    limits = machine_limits.measure(*probe_args)
+
+    packed = {"int8": 1, "bf16": 2, "fp32": 4}.get(engine.runner.weight_format, 0)   # CPU packed linears
+    mc = ModelCost.from_config(engine.model_config, engine.runner.dtype.itemsize, packed)
+    vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+    ids = torch.randint(vocab, (max([oc] + [c for _, _, c in points]),),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    bm, timed, measured = engine.block_manager, {}, []
+    for phase, b, c in points:
+        seqs, rows = phase_steps(phase, b, c)
+        if b * -(-c // bm.block_size) > bm.num_blocks:
+            print(f"  {phase} batch {b} context {c}: skipped, needs more KV blocks than the cache has")
+            continue
+        # a nocache step is the very step of a prefill of the same length: time it once
+        key = (tuple(seqs), rows)
+        if key not in timed:
+            timed[key] = time_step(engine, seqs, ids, repeats)
+            print(f"  {phase} batch {b} context {c}: {statistics.median(timed[key][0]) * 1e3:.2f} ms",
+                  file=sys.stderr, flush=True)
+        measured.append((phase, b, c, step_cost(mc, seqs, rows), rows, *timed[key]))
+    read = None
+    # the memory-bound decode points (batch 1 and 4) at the smallest decode context
+    small = sorted((c, b) for phase, b, c in points if phase == "decode" and b <= 4)
+    if args.read_rounds and small:
+        context, steps = small[0][0], {}
+        for b in (b for c, b in small if c == context):
+            seqs, rows = phase_steps("decode", b, context)
+            steps[b] = (step_cost(mc, seqs, rows), seqs)
+        read = side_by_side_read(engine, steps, ids, limits.read_bytes, args.read_rounds)
+    peak_rounds = None
+    if args.peak_rounds:
+        # compute-bound by the roofs probed before the sweep: prefill, and decode past the ridge
+        ridge = limits.peak_flops(dtype) / limits.bandwidth
+        steps, dec = {}, sorted(c for phase, _, c in points if phase == "decode")
+        for phase, b, c, cost, _, *_ in measured:
+            if phase == "prefill" or (phase == "decode" and c == dec[0] and cost.flops / cost.bytes >= ridge):
+                steps[f"{phase} batch {b} context {c}"] = (cost, phase_steps(phase, b, c)[0])
+        if steps:
+            peak_rounds = side_by_side_peak(engine, steps, ids, dtype, limits.gemm_n, args.peak_rounds) | dict(ridge=ridge)
+    overhead = overhead_final = None
+    if ob * -(-(oc + om) // bm.block_size) <= bm.num_blocks:
+        overhead = engine_overhead(engine, ob, oc, ids, args.overhead_steps)
+        overhead_final = engine_overhead(engine, ob, oc, ids, args.overhead_steps, final_only=True)
+    else:
+        print(f"  engine overhead: skipped, {ob} requests of {oc} + {om} tokens do not fit the KV cache")
+
+    # Probe again after the points: on a shared machine a roof is the best of both.
+    limits = limits.best_of(machine_limits.measure(*probe_args))
+    peak, bw = limits.peak_flops(dtype), limits.bandwidth
+    print(f"roofs (best of before and after): {bw / 1e9:.1f} GB/s, {dtype} {peak / 1e9:.1f} GFLOP/s, "
+          f"ridge {peak / bw:.1f} FLOP/B")
+    recs = [record(*m, peak, bw) for m in measured]
+    print_table(recs)
+    notes = findings(recs, peak, bw, dtype, overhead, read, overhead_final, peak_rounds)
+    print("\nfindings (on a shared machine times are noisy):")
+    for line in notes:
+        print(f"  - {line}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(dict(machine=limits.to_dict(),
+                           model=dict(path=args.model, architecture=engine.model_config.architecture, dtype=dtype,
+                                      cost=asdict(mc), kv_bytes_per_token=mc.kv_bytes_per_token),
+                           roof=dict(bandwidth=bw, peak_flops=peak, ridge=peak / bw),
+                           points=recs, overhead=overhead, overhead_final_only=overhead_final,
+                           side_by_side_read=read, side_by_side_peak=peak_rounds, findings=notes), f, indent=1)
+        print(f"wrote {args.output}")
+    if args.plot:
+        plot(args.plot, recs, limits, dtype, engine.model_name)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,288 @@
+"""`pdserve bench`: a load generator for any OpenAI-compatible server (pdserve, vLLM, llama-server).
+
+It streams every request through /v1/completions and measures what a client sees, with the
+definitions of vLLM's `bench serve` (see bench_metrics.py), so the numbers and the JSON compare
+with vLLM's own. Requests arrive by a seeded Gamma process (`--request-rate`, `--burstiness`),
+optionally capped by `--max-concurrency`; a request's clock starts when it is actually sent.
+
+Every request opens its own connection: llama-server drops keep-alive connections idle for
+5 s, and a reused connection the server has just closed would fail a request for the client's
+reasons, not the server's. Failures (HTTP errors, error events, broken streams, no usage) are
+counted and their error text kept, never retried or dropped.
+"""
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from datetime import datetime
+
+import httpx
+import numpy as np
+
+from pdserve.bench import bench_metrics
+from pdserve.bench.bench_metrics import RequestResult
+from pdserve.bench.datasets import BenchRequest, add_dataset_arguments, fetch_token_pool, make_requests
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, seed) -> list[float]:
+    """Send times (s after the start) of n requests: the first at 0, then Gamma gaps with shape
+    `burstiness` and mean 1/rate (burstiness 1 = Poisson arrivals; lower = burstier). rate inf:
+    all at 0."""
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"--request-rate and --burstiness must be positive, got {rate} and {burstiness}")
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(n - 1, 0))
+    return [0.0, *np.cumsum(gaps).tolist()][:n]
+
+
+class StreamRecorder:
+    """Timestamps the server-sent events of one streamed completion."""
+
+    def __init__(self, sent: float):
+        self.sent = sent
+        self.first: float | None = None   # first chunk carrying a token
+        self.last: float | None = None
+        self.itl: list[float] = []
+        self.usage: dict | None = None
+        self.error = ""
+
+    def feed(self, line: str, now: float) -> bool:
+        """Take one line of the stream received at `now`; False once the stream is over."""
+        if not line.startswith("data:"):
+            return True   # event separators, `: ping` comments
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return False
+        try:
+            event = json.loads(data)
+        except ValueError:
+            self.error = f"unparsable event: {data[:200]}"
+            return False
+        if "error" in event:
+            err = event["error"]
+            self.error = "error event: " + (err.get("message", str(err)) if isinstance(err, dict) else str(err))
+            return False
+        if event.get("usage"):   # some servers repeat it on every chunk: the last one is the total
+            self.usage = event["usage"]
+        if choices := event.get("choices"):   # a token chunk, even if its text is empty
+            if self.first is None:
+                self.first = now
+            else:
+                self.itl.append(now - self.last)
+            self.last = now
+            if choices[0].get("finish_reason") == "error":
+                self.error = "the server failed the request (finish_reason: error)"
+                return False
+        return True
+
+    def result(self, prompt_len: int | None) -> RequestResult:
+        error = self.error
+        if not error and self.first is None:
+            error = "the stream ended without a token"
+        if not error and not (self.usage and isinstance(self.usage.get("completion_tokens"), int)):
+            error = "no usage.completion_tokens in the stream (does the server support stream_options.include_usage?)"
+        if error:
+            return RequestResult(prompt_len=prompt_len, error=error)
+        return RequestResult(prompt_len=self.usage.get("prompt_tokens", prompt_len),
+                             output_tokens=self.usage["completion_tokens"], ttft=self.first - self.sent,
+                             itl=self.itl, latency=self.last - self.sent, success=True)
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict, req: BenchRequest, headers: dict,
+               t0: float) -> RequestResult:
+    payload = {**body, "prompt": req.prompt, "max_tokens": req.output_len}
+    rec = StreamRecorder(time.perf_counter())
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                    text = json.loads(text)["error"]["message"]
+                rec.error = f"HTTP {resp.status_code}: {text[:500]}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not rec.feed(line, time.perf_counter()):
+                        break
+    except Exception as e:   # connection refused or reset, timeout, broken stream: a failed request
+        rec.error = f"{type(e).__name__}: {e}"
+    result = rec.result(req.prompt_len)
+    result.start_time, result.kind = rec.sent - t0, req.kind
+    return result
+
+
+async def benchmark(args, url: str, body: dict, headers: dict, requests: list[BenchRequest],
+                    warmups: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+    """Send the warmups (all at once, within the concurrency cap), then the measured requests on
+    their arrival schedule. Returns the results in send order and the wall time of the run."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)   # a fresh connection per request
+    cap = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout)) as client:
+        async def one(req: BenchRequest, t0: float, bar) -> RequestResult:
+            async with cap:   # the request's clock starts only once it may be sent
+                result = await send(client, url, body, req, headers, t0)
+            if bar is not None:
+                bar.update(1)
+            return result
+
+        if warmups:
+            t0 = time.perf_counter()
+            done = await asyncio.gather(*(one(w, t0, None) for w in warmups))
+            bad = [r.error for r in done if not r.success]
+            print(f"warmup: {len(done) - len(bad)} of {len(done)} requests completed"
+                  + (f"; first error: {bad[0]}" if bad else ""))
+
+        offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, [args.seed, 2])
+        bar = None
+        if not args.disable_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(requests), desc="requests", unit="req")
+        tasks = []
+        t0 = time.perf_counter()
+        for req, at in zip(requests, offsets):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req, t0, bar)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+    return list(results), duration
+
+
+def print_summary(res: dict, slos: dict) -> None:
+    line = "{:<40} {:<10}".format
+    print("{:=^50}".format(" Serving Benchmark Result "))
+    print(line("Successful requests:", res["completed"]))
+    print(line("Failed requests:", res["failed"]))
+    if res["max_concurrency"] is not None:
+        print(line("Maximum request concurrency:", res["max_concurrency"]))
+    print(line("Request rate configured (RPS):", res["request_rate"]))
+    print(line("Benchmark duration (s):", f"{res['duration']:.2f}"))
+    print(line("Total input tokens:", res["total_input_tokens"]))
+    print(line("Total generated tokens:", res["total_output_tokens"]))
+    print(line("Request throughput (req/s):", f"{res['request_throughput']:.2f}"))
+    if slos:
+        print(line("Request goodput (req/s):", f"{res['request_goodput']:.2f}"))
+    print(line("Output token throughput (tok/s):", f"{res['output_throughput']:.2f}"))
+    print(line("Total token throughput (tok/s):", f"{res['total_token_throughput']:.2f}"))
+    groups = [""] + [f"{k}_" for k in sorted({k for k in res.get("request_kinds", []) if k})]
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print("{:-^50}".format(title))
+        for g in groups:
+            for stat in ("mean", "median", "p90", "p99"):
+                label = f"{g.rstrip('_')} " if g else ""
+                print(line(f"{label}{stat.capitalize()} {name.upper()} (ms):", f"{res[f'{g}{stat}_{name}_ms']:.2f}"))
+    print("=" * 50)
+    chunks = sum(len(itl) + 1 for itl, n in zip(res["itls"], res["output_lens"]) if n)
+    if chunks < res["total_output_tokens"]:
+        print(f"note: {res['total_output_tokens']} tokens arrived in {chunks} chunks; ITL is the gap between "
+              "chunks (vLLM's definition), TPOT is per token")
+    errors = collections.Counter(e.splitlines()[0] if e else "" for e in res["errors"] if e)
+    for err, count in errors.most_common(5):
+        print(f"failed x{count}: {err[:300]}")
+    if len(errors) > 5:
+        print(f"... and {len(errors) - 5} other errors (all in the JSON's `errors`)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="the server, without /v1 (default: %(default)s)")
+    parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="sent as `Authorization: Bearer KEY` (default: $OPENAI_API_KEY)")
+    add_dataset_arguments(parser)
+    g = parser.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="mean requests per second; inf sends them all at once (default: %(default)s)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="Gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier, > 1 more even "
+                        "(default: %(default)s)")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default: no cap)")
+    g.add_argument("--num-warmups", type=int, default=0,
+                   help="unmeasured requests sent first, prompts of the same kind from another seed (default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times (default: 0)")
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos, so outputs run to max_tokens (always on for generated datasets)")
+    g.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help="extra request fields, e.g. '{\"cache_prompt\": false}' for llama-server")
+    g = parser.add_argument_group("results")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000: a request is good if it meets all")
+    g.add_argument("--label", default=None, help="name of this run in the JSON and in plots (e.g. pdserve, vllm)")
+    g.add_argument("--output", default=None, metavar="FILE", help="write the result as JSON to FILE")
+    g.add_argument("--plot", default=None, metavar="DIR", help="also write latency CDF plots (PNG) to DIR")
+    g.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds a request may wait for any one read before it fails (default: %(default)s)")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def _setup(args, headers: dict) -> tuple[str, list[BenchRequest], list[BenchRequest]]:
+    """The model name, the measured requests and the warmups (may raise: nothing has been sent yet)."""
+    for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--num-warmups", args.num_warmups, 0),
+                               ("--max-concurrency", args.max_concurrency, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    model = args.model
+    if model is None:
+        r = httpx.get(args.base_url + "/v1/models", headers=headers, timeout=30)
+        r.raise_for_status()
+        model = r.json()["data"][0]["id"]
+    pool = None
+    if not args.dataset_path:
+        pool = list(range(args.vocab_size)) if args.vocab_size else fetch_token_pool(args.base_url, headers)
+    requests = make_requests(args, args.num_prompts, args.seed, pool)
+    # warmups: fresh prompts (another seed), so they warm the server without caching measured prefixes
+    warmups = make_requests(args, args.num_warmups, [args.seed, 1], pool) if args.num_warmups else []
+    return model, requests, warmups
+
+
+def run(args: argparse.Namespace) -> int:
+    args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        slos = bench_metrics.parse_goodput(args.goodput)
+        arrival_offsets(1, args.request_rate, args.burstiness, 0)   # validates rate and burstiness
+        model, requests, warmups = _setup(args, headers)
+    except (ValueError, RuntimeError, OSError, KeyError, IndexError, httpx.HTTPError) as e:
+        print(f"pdserve bench: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    body = {"model": model, "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if args.ignore_eos or not args.dataset_path:
+        body["ignore_eos"] = True
+    body.update(args.extra_body or {})
+    print(f"{len(requests)} requests ({args.dataset_path or args.dataset_name}) to {args.base_url} model {model}; "
+          f"rate {args.request_rate}, burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
+
+    results, duration = asyncio.run(benchmark(args, args.base_url + "/v1/completions", body, headers,
+                                              requests, warmups))
+    res = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "endpoint_type": "openai",
+        "label": args.label, "model_id": model, "base_url": args.base_url, "num_prompts": len(requests),
+        "dataset_name": "file" if args.dataset_path else args.dataset_name, "dataset_path": args.dataset_path,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
+        "num_warmups": args.num_warmups, "goodput_slos_ms": slos or None,
+        **bench_metrics.compute_metrics(results, duration, slos),
+    }
+    print_summary(res, slos)
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump(res, f)
+        print(f"wrote {args.output}")
+    if args.plot:
+        from pdserve.bench.report import plot_results
+        for path in plot_results([(args.label or model, res)], args.plot):
+            print(f"wrote {path}")
+    return 0 if res["completed"] else 1
