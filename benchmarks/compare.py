@@ -127,9 +127,9 @@ def resolve_models(args) -> dict[str, str]:
             if args.model_05b:
                 raise SystemExit(f"compare: --model-05b {path} has no model.safetensors")
             if not args.dry_run:
-                say(f"building the 0.5B checkpoint into {path} (pdserve make-model, a few minutes)")
-                subprocess.run([sys.executable, "-m", "pdserve", "make-model", path, "--arch", "qwen2",
-                                "--size", "0.5b", "--force"], check=True)
+                say(f"building the 0.5B checkpoint into {path} (python -m tools.make_model, a few minutes)")
+                subprocess.run([sys.executable, "-m", "tools.make_model", path, "--arch", "qwen2",
+                                "--size", "0.5b", "--force"], check=True, cwd=REPO)
         models["0.5b"] = path
     return {k: v for k, v in models.items() if k in args.models}
 
@@ -309,7 +309,7 @@ def parse_args(argv):
     p.add_argument("--models", default="tiny,0.5b", help="comma-separated subset of: tiny, 0.5b")
     p.add_argument("--workloads", default=None, help="comma-separated subset of: c32, c1, long-short")
     p.add_argument("--model-05b", default=None, metavar="DIR",
-                   help="an existing 0.5B checkpoint (pdserve make-model --arch qwen2 --size 0.5b); "
+                   help="an existing 0.5B checkpoint (python -m tools.make_model --arch qwen2 --size 0.5b); "
                         "default: built into --cache-dir if missing")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the 0.5B checkpoint and logs go")
     p.add_argument("--peers-dir", default=peers.DEFAULT_PEERS_DIR, help="where the peers are installed")

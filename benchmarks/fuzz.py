@@ -104,7 +104,7 @@ def run_fuzz(model: str | None = None, num_cases: int = 1000, seed: int = 0, tim
     import schemathesis
     from schemathesis import GenerationMode
 
-    from pdserve.tools.make_model import make_model
+    from tools.make_model import make_model
     t_start = time.monotonic()
     tmp = log_dir or tempfile.mkdtemp(prefix="pdserve-fuzz-")   # the server log, and the model if built
     if model is None:

@@ -42,7 +42,7 @@ TRANSFORMERS_VERSION = "5.23.0"  # the converter only reads config and tokenizer
 DEFAULT_PEERS_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pdserve-peers")
 MARKER = ".pdserve-installed"
 
-# llama.cpp's name for the pre-tokenizer of each model family as `pdserve make-model` writes it
+# llama.cpp's name for the pre-tokenizer of each model family as `python -m tools.make_model` writes it
 # (its tokenizer is trained locally, so the converter's hash lookup cannot recognise it).
 PRE_TOKENIZERS = {"qwen2": "qwen2", "llama": "llama-bpe", "mistral": "llama-bpe", "opt": "gpt-2"}
 

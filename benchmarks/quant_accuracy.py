@@ -22,7 +22,7 @@ from pdserve import LLM
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling_params import SamplingParams
-from pdserve.tools.make_model import corpus_texts
+from tools.make_model import corpus_texts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"fp32": {}, "int8": {"quantization": "int8"}, "bf16": {"dtype": "bfloat16"}}

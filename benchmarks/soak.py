@@ -65,7 +65,7 @@ class Outcome:
 
 def make_jobs(num: int, tokenizer, capacity: int, seed: int, abort_frac: float) -> list[Job]:
     """A reproducible mix. Every request fits the KV cache alone (prompt + max_tokens < capacity)."""
-    from pdserve.tools.make_model import corpus_texts
+    from tools.make_model import corpus_texts
     rng = random.Random(seed)
     corpus = tokenizer.encode(" ".join(corpus_texts())[:60000], add_special_tokens=False)
     jobs = []
@@ -271,7 +271,7 @@ def run_soak(model: str | None = None, num_requests: int = 2000, concurrency: in
              timeout: float = 300.0, log_dir: str | None = None) -> dict:
     """Start a server, soak it, check every guarantee; the summary (with "ok" and "failures")."""
     from pdserve.tokenizer import Tokenizer
-    from pdserve.tools.make_model import make_model
+    from tools.make_model import make_model
     t_start = time.monotonic()
     tmp = log_dir or tempfile.mkdtemp(prefix="pdserve-soak-")   # the server log, and the model if built
     if model is None:

@@ -9,7 +9,6 @@ from pdserve.errors import CheckpointError, RequestError
 COMMANDS = {
     "serve": ("pdserve.server.launch", "serve a model over HTTP (OpenAI-compatible API)"),
     "generate": ("pdserve.generate", "generate offline for prompts given on the command line"),
-    "make-model": ("pdserve.tools.make_model", "write a random-init HF checkpoint with a trained tokenizer"),
     "bench": ("pdserve.bench.serve_bench", "benchmark any OpenAI-compatible server (vLLM's definitions)"),
     "report": ("pdserve.bench.report", "plot benchmark results and engine step logs"),
     "roofline": ("pdserve.bench.roofline", "measure this machine's limits and the model's phases against them"),

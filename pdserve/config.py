@@ -120,7 +120,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     # In a step that also decodes, at most this many prefill tokens in all (0: no cap; a step
     # without decodes still takes max_num_batched_tokens). Keeps running streams' ITL steady at a
-    # cost in throughput and queued TTFT, so it is off by default (docs/BENCHMARKS.md, target 6).
+    # cost in throughput and queued TTFT, so it is off by default (docs/PERFORMANCE.md).
     max_prefill_tokens_with_decodes: int = 0
     max_model_len: int | None = None
     seed: int = 0
@@ -161,7 +161,7 @@ class EngineConfig:
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype == "auto":
             # On CPU auto means fp32: results equal transformers'; bf16 (faster with AVX512-BF16,
-            # docs/BENCHMARKS.md) is asked for explicitly.
+            # docs/PERFORMANCE.md) is asked for explicitly.
             if self.device == "cpu":
                 return torch.float32
             return getattr(torch, model_config.torch_dtype or "float32", torch.float32)

@@ -5,9 +5,8 @@ Decode streams every weight once per step. On 4 KiB pages that is a TLB miss eve
 their own. Linux backs a range with 2 MiB pages when it is marked MADV_HUGEPAGE before it is first
 touched (transparent huge pages in "madvise" mode, the common default; "always" needs no mark,
 "never" ignores it). torch's allocator does not mark its memory unless THP_MEM_ALLOC_ENABLE is set
-before torch starts, so we mark our own. Measured on the 0.5B model, the same bytes on 2 MiB
-against 4 KiB pages: its linears 1.21x at 1 row, 1.11x at 4, 1.04x at 16-32; a batch-1 decode
-step 1.12x, batch 32 1.02x (docs/BENCHMARKS.md).
+before torch starts, so we mark our own: on the 0.5B model a batch-1 decode step is 1.12x as fast
+on 2 MiB pages (docs/PERFORMANCE.md).
 
 Only the whole 2 MiB pages inside a range can be huge: a tensor allocated alone starts and ends
 mid-page, and a 3-4 MB matrix then sits largely on 4 KiB pages (the 0.5B model's o_proj 30% huge,
@@ -77,7 +76,7 @@ class Arena:
 def trim_heap() -> bool:
     """Give the heap's free pages back to the OS (glibc's malloc_trim); True if it ran. Packing frees
     each original weight, and an arena does not reuse that memory as per-tensor copies did: left
-    in the heap it stayed resident (+330 MB on the 0.5B model, perf/weight_arena/)."""
+    in the heap it stayed resident (+330 MB on the 0.5B model)."""
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is None:
         return False

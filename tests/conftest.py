@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from pdserve.tools.make_model import make_model
+from tools.make_model import make_model
 
 
 @pytest.fixture(scope="session")

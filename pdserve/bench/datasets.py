@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from pdserve.data import CORPUS_DIR
-
+# the first 20,000 characters of the story corpus (tools/corpus/stories.txt)
+POOL_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "stories.txt")
 POOL_TEXT_CHARS = 20000   # enough text for a few thousand distinct ids on a 150k vocabulary
 DATASETS = ("random", "shared-prefix", "long-short")
 
@@ -37,7 +37,7 @@ def fetch_token_pool(base_url: str, headers: dict | None = None, client: httpx.C
     vLLM and pdserve take `{"prompt": ...}`, llama-server `{"content": ...}`; each ignores the
     other's field, so we try both and keep the first answer with tokens in it.
     """
-    with open(os.path.join(CORPUS_DIR, "stories.txt"), encoding="utf-8") as f:
+    with open(POOL_TEXT, encoding="utf-8") as f:
         text = f.read(POOL_TEXT_CHARS)
     problems = []
     with contextlib.nullcontext(client) if client else httpx.Client(timeout=60) as c:

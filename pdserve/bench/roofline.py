@@ -194,7 +194,7 @@ def side_by_side_read(engine, steps: dict[int, tuple[StepCost, list[tuple[int, i
                       read_bytes: int, rounds: int) -> dict:
     """Small-batch decode steps against the time to read their bytes at the bandwidth probed just
     before them, round after round. This VM's bandwidth drifts by 1.6x within minutes
-    (docs/BENCHMARKS.md): a roof probed minutes away from a step says little about its ratio to it.
+    (docs/PERFORMANCE.md): a roof probed minutes away from a step says little about its ratio to it.
     steps: batch -> (its cost, its sequences)."""
     from pdserve.bench import machine_limits
     x = machine_limits.probe_array(read_bytes)

@@ -75,7 +75,7 @@ def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int, 
     padding (with_mask=False): the step's integers then go into one list, which one C++ call copies
     with the block tables (cut or padded there) into an int64 buffer and views as the flat tensors
     and an AttentionStep. Between two forwards each torch call runs cold: array(), frombuffer and
-    a split into views cost ~60 us at batch 32 there (perf/step_inputs/)."""
+    a split into views cost ~60 us at batch 32 there."""
     if with_mask:
         ints, sizes = [], []
         for x in flat:

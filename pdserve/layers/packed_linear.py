@@ -1,7 +1,7 @@
 """Linear layers whose weights are re-laid-out once at load for the CPU decode kernel.
 
 nn.Linear stores W as (N, K) and torch multiplies small batches at well under memory bandwidth
-on CPUs (docs/BENCHMARKS.md). PackedLinear stores W as panels of 16 output channels, (N/16, K, 16),
+on CPUs (docs/PERFORMANCE.md). PackedLinear stores W as panels of 16 output channels, (N/16, K, 16),
 which pdserve/kernels/linear_cpu.cpp streams once per step for any number of rows, in fp32, bf16
 or int8 (weight-only: one fp32 scale per output channel, symmetric). Activations stay fp32 inside
 the kernel; the result is cast back to the model's dtype. Where the CPU has AVX512-BF16 a bf16

@@ -53,7 +53,7 @@ class EngineThread:
     opens a parallel region a worker pool of its own. A model loaded on the main thread and stepped
     on another leaves two pools; with more pool threads than cores libgomp stops spinning between
     regions and puts its workers to sleep, so each of a step's hundreds of regions waits for a
-    wake-up: a 0.5B batch-32 decode step took up to 7% longer (docs/BENCHMARKS.md)."""
+    wake-up: a 0.5B batch-32 decode step took up to 7% longer (docs/PERFORMANCE.md)."""
 
     def __init__(self):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()

@@ -30,7 +30,7 @@ def corpus_prompts(tokenizer, lens=PROMPT_LENS, offset=0) -> list[list[int]]:
 
 @functools.lru_cache(maxsize=None)
 def _corpus_ids(tokenizer) -> list[int]:
-    from pdserve.tools.make_model import corpus_texts
+    from tools.make_model import corpus_texts
     text = " ".join(corpus_texts())[:40000]   # ~10k tokens: plenty, and fast to encode
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -1,8 +1,8 @@
 """Train the bundled default model: a small Llama on the shipped corpus, on CPU, within a time budget.
 
-    python -m pdserve.tools.train_default --out pdserve/data/default-model --minutes 18
+    python -m tools.train_default --out pdserve/data/default-model --minutes 18
 
-The tokenizer is a 4096-token byte-level BPE trained on pdserve/data/corpus with the Llama
+The tokenizer is a 4096-token byte-level BPE trained on tools/corpus with the Llama
 family conventions of make_model (<s> BOS, </s> EOS, ChatML chat template ending turns with
 <|im_end|>). Stories are trained as "<s> story </s>", dialogues as rendered by the chat template,
 all packed into fixed-length windows. The learning rate follows a cosine over the wall-clock
@@ -20,8 +20,9 @@ import time
 
 import torch
 
-from pdserve.data import CORPUS_DIR, DEFAULT_MODEL_DIR
-from pdserve.tools.make_model import corpus_texts, save_tokenizer, train_tokenizer
+from pdserve.data import DEFAULT_MODEL_DIR
+from tools import CORPUS_DIR
+from tools.make_model import corpus_texts, save_tokenizer, train_tokenizer
 
 SHAPE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
              intermediate_size=704, max_position_embeddings=1024, rope_theta=10000.0)

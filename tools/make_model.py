@@ -1,8 +1,8 @@
-"""`pdserve make-model`: write a real HF checkpoint with random weights and a trained tokenizer.
+"""`python -m tools.make_model`: write a real HF checkpoint with random weights and a trained tokenizer.
 
 The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral) and saved with
 `save_pretrained(safe_serialization=True)`; the tokenizer is a byte-level BPE trained with HF
-`tokenizers` on the corpus shipped in pdserve/data/corpus, following each family's
+`tokenizers` on the corpus shipped in tools/corpus, following each family's
 special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
 give identical ids. Tests build tiny checkpoints with this; `--size 0.5b` gives a
 Qwen2.5-0.5B-shaped model for benchmarks.
@@ -30,12 +30,13 @@ later greedy predictions (attention matters), and greedy continuations differ ac
 tests/test_make_model.py re-checks this for every arch.
 """
 import argparse
+import sys
 import json
 import math
 import os
 import shutil
 
-from pdserve.data import CORPUS_DIR
+from tools import CORPUS_DIR
 from pdserve.errors import CheckpointError
 
 ARCHS = ("opt", "llama", "qwen2", "mistral")
@@ -287,3 +288,19 @@ def run(args) -> int:
     out = make_model(args.out_dir, args.arch, args.size, args.seed, force=args.force, **dict(args.overrides))
     print(f"wrote {args.arch} {args.size} checkpoint to {out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdserve.errors import CheckpointError
+    parser = argparse.ArgumentParser(prog="python -m tools.make_model", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except CheckpointError as e:
+        print(f"make_model: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`pdserve make-model`: real HF checkpoints that transformers loads, with peaked random logits."""
+"""`python -m tools.make_model`: real HF checkpoints that transformers loads, with peaked random logits."""
 import json
 import os
 import statistics
@@ -8,10 +8,10 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from pdserve.cli import main as cli_main
 from pdserve.errors import CheckpointError
 from pdserve.tokenizer import Tokenizer
-from pdserve.tools.make_model import build_config, corpus_texts, make_model
+from tools.make_model import build_config, corpus_texts, make_model
+from tools.make_model import main as make_model_main
 
 OPT_350M_STYLE = dict(do_layer_norm_before=False, word_embed_proj_dim=32)
 LLAMA3_ROPE_TIED = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -141,20 +141,20 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
         make_model(str(tmp_path / "x"), "gpt9")
     with pytest.raises(CheckpointError, match="override"):
         make_model(str(tmp_path / "y"), "llama", num_key_value_heads=3)  # does not divide 4 heads
-    assert cli_main(["make-model", str(out), "--arch", "opt"]) == 2
+    assert make_model_main([str(out), "--arch", "opt"]) == 2
     err = capsys.readouterr().err
     assert "not empty" in err and err.count("\n") == 1
 
 
 def test_cli_writes_checkpoint(tmp_path, capsys):
     out = tmp_path / "m"
-    assert cli_main(["make-model", str(out), "--arch", "mistral", "--seed", "3",
+    assert make_model_main([str(out), "--arch", "mistral", "--seed", "3",
                      "--set", "num_hidden_layers=3", "--set", "sliding_window=null"]) == 0
     assert config_of(out)["num_hidden_layers"] == 3 and config_of(out)["sliding_window"] is None
-    assert cli_main(["make-model", str(out), "--arch", "llama", "--force"]) == 0
+    assert make_model_main([str(out), "--arch", "llama", "--force"]) == 0
     assert config_of(out)["model_type"] == "llama"
     with pytest.raises(SystemExit):
-        cli_main(["make-model", str(out), "--arch", "gpt9"])
+        make_model_main([str(out), "--arch", "gpt9"])
 
 
 def test_half_billion_shape_without_building_it():
@@ -185,7 +185,8 @@ def test_default_model_is_small_and_loads():
 
 @torch.no_grad()
 def test_default_model_writes_readable_english():
-    from pdserve.data import CORPUS_DIR, DEFAULT_MODEL_DIR
+    from pdserve.data import DEFAULT_MODEL_DIR
+    from tools import CORPUS_DIR
 
     model, tok = load(DEFAULT_MODEL_DIR), Tokenizer.from_dir(DEFAULT_MODEL_DIR)
     with open(os.path.join(CORPUS_DIR, "stories.txt")) as f:

@@ -1,7 +1,7 @@
 """Writes the shipped training corpus (stories.txt, dialogues.jsonl, unicode.txt) next to this file.
 
 All text comes from the small grammars below (written for pdserve), drawn with a fixed seed,
-so the corpus is reproducible: `python pdserve/data/corpus/generate.py`. The files are
+so the corpus is reproducible: `python tools/corpus/generate.py`. The files are
 committed so that tokenizer training and the default model never depend on this script's
 randomness across Python versions.
 
