@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from pdserve.bench.roofline import ModelCost, phase_steps, step_cost
+from pdserve.bench.step_cost import ModelCost, phase_steps, step_cost
 from pdserve.config import ModelConfig
 from pdserve.models import ARCHITECTURES
 
