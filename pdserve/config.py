@@ -13,8 +13,6 @@ import torch
 from pdserve.checkpoint_files import checkpoint_file
 from pdserve.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("OPTForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-
 
 @dataclass
 class ModelConfig:
@@ -47,25 +45,17 @@ class ModelConfig:
         if raw.get("auto_map"):
             raise CheckpointError(f"{file}: declares auto_map, i.e. needs its own Python code (trust_remote_code); "
                                   "pdserve runs no code from checkpoints, only its built-in architectures")
+        from pdserve.models import ARCHITECTURES   # here: the models import this module
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise CheckpointError(f"{file}: unsupported architecture {archs or 'none given'}; "
-                                  f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                                  f"supported: {', '.join(ARCHITECTURES)}")
         try:
-            if arch == "OPTForCausalLM":
-                hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-                cfg = cls(path, arch, raw["vocab_size"], hidden, raw["num_hidden_layers"], heads, heads,
-                          hidden // heads, raw["ffn_dim"], raw["max_position_embeddings"],
-                          raw.get("tie_word_embeddings", True), raw.get("dtype") or raw.get("torch_dtype"), raw)
-            else:
-                hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-                cfg = cls(path, arch, raw["vocab_size"], hidden, raw["num_hidden_layers"], heads,
-                          raw.get("num_key_value_heads") or heads, raw.get("head_dim") or hidden // heads,
-                          raw["intermediate_size"], raw.get("max_position_embeddings", 2048),
-                          raw.get("tie_word_embeddings", False), raw.get("dtype") or raw.get("torch_dtype"), raw)
+            fields = ARCHITECTURES[arch].config_fields(raw)
         except KeyError as e:
             raise CheckpointError(f"{file}: missing field {e.args[0]!r} for {arch}") from None
+        cfg = cls(path, arch, **fields, torch_dtype=raw.get("dtype") or raw.get("torch_dtype"), raw=raw)
         cfg._check(file)
         return cfg
 

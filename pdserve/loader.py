@@ -102,4 +102,4 @@ def stacked_target(model: torch.nn.Module, name: str) -> tuple[str, int | None]:
 
 
 def embed_module_name(cfg: ModelConfig) -> str:
-    return "model.decoder.embed_tokens" if cfg.architecture == "OPTForCausalLM" else "model.embed_tokens"
+    return ARCHITECTURES[cfg.architecture].embed_module

@@ -106,6 +106,17 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint module -> (our merged module, shard): HF checkpoints keep q/k/v and gate/up apart
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    embed_module = "model.embed_tokens"
+
+    @staticmethod
+    def config_fields(raw: dict) -> dict:
+        """ModelConfig's sizes from this family's config.json (a missing required key raises KeyError)."""
+        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+        return dict(vocab_size=raw["vocab_size"], hidden_size=hidden, num_layers=raw["num_hidden_layers"],
+                    num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
+                    head_dim=raw.get("head_dim") or hidden // heads, intermediate_size=raw["intermediate_size"],
+                    max_position_embeddings=raw.get("max_position_embeddings", 2048),
+                    tie_word_embeddings=raw.get("tie_word_embeddings", False))
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
