@@ -117,6 +117,10 @@ class EngineConfig:
     quantization: str | None = None     # "int8": weight-only int8 linears (CPU packed kernel)
     cpu_kernels: bool | None = None     # pdserve/kernels on CPU; None = use them where they build
     profile_steps: int | None = None    # keep per-step phase timings; log a summary every N steps (0: never)
+    scheduling_policy: str = "fcfs"     # fcfs, priority or slo (pdserve/engine/policy.py)
+    slo_ttft_ms: float | None = None    # objectives of requests that give none
+    slo_tpot_ms: float | None = None
+    slo_admission: str = "serve"        # slo policy: "reject" refuses a request whose TTFT target cannot be met
 
     def __post_init__(self):
         if self.device is None:
@@ -133,6 +137,13 @@ class EngineConfig:
         if not isinstance(self.max_prefill_tokens_with_decodes, int) or self.max_prefill_tokens_with_decodes < 0:
             raise ValueError(f"max_prefill_tokens_with_decodes must be >= 0 (0 = no cap), "
                              f"got {self.max_prefill_tokens_with_decodes!r}")
+        if self.scheduling_policy not in ("fcfs", "priority", "slo"):
+            raise ValueError(f"scheduling_policy must be fcfs, priority or slo, got {self.scheduling_policy!r}")
+        if self.slo_admission not in ("serve", "reject"):
+            raise ValueError(f"slo_admission must be serve or reject, got {self.slo_admission!r}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 milliseconds, got {getattr(self, name)!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -14,3 +14,11 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class SLOUnattainable(RequestError):
+    """--slo-admission reject: the request's TTFT target cannot be met, so it is refused at once
+    (the server answers 503 slo_unattainable) rather than served late."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="slo")

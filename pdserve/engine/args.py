@@ -55,8 +55,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-steps", type=int, default=None, metavar="N",
                    help="step profiler: log where engine steps spend their time (schedule, prepare, forward, "
                         "sample, output; overhead = all but the forward) every N steps")
+    s = parser.add_argument_group("scheduling (docs/API.md: priority and slo)")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "slo"],
+                   help="fcfs: arrival order (default); priority: by each request's priority (lower first), a "
+                        "waiting request may preempt lower-priority running ones; slo: prefills by TTFT slack, "
+                        "a step's prefill tokens sized to keep the tightest TPOT target, by a step-time model "
+                        "calibrated at start-up (a few seconds) and refreshed from measured steps")
+    s.add_argument("--slo-ttft-ms", type=_positive_ms, default=None, metavar="MS",
+                   help="TTFT target of requests that give no slo.ttft_ms (default: none)")
+    s.add_argument("--slo-tpot-ms", type=_positive_ms, default=None, metavar="MS",
+                   help="TPOT target of requests that give no slo.tpot_ms (default: none)")
+    s.add_argument("--slo-admission", default="serve", choices=["serve", "reject"],
+                   help="slo policy: reject refuses at once (503 slo_unattainable) a request whose TTFT target "
+                        "the step-time model says cannot be met; serve queues it anyway (default)")
     # vLLM's and transformers' flag, refused with a one-line error rather than "unrecognized arguments"
     g.add_argument("--trust-remote-code", nargs=0, action=_RefuseRemoteCode, help=argparse.SUPPRESS)
+
+
+def _positive_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of milliseconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds > 0, got {text}")
+    return value
 
 
 class _RefuseRemoteCode(argparse.Action):
@@ -73,4 +96,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
                 max_model_len=args.max_model_len, seed=args.seed,
                 quantization=args.quantization, cpu_kernels=args.cpu_kernels,
-                profile_steps=args.profile_steps)
+                profile_steps=args.profile_steps, scheduling_policy=args.scheduling_policy,
+                slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_admission=args.slo_admission)

@@ -51,6 +51,12 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (KV blocks reclaimed) by the scheduler.")
         self.success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
+        # objectives (docs/API.md): attainment per phase; the rate of request_goodput is goodput
+        self.slo_requests = counter("request_slo", "Finished requests with a target for the phase (aborts "
+                                    "left out).", ["phase"])
+        self.slo_attained = counter("request_slo_attained", "Finished requests that met their target for "
+                                    "the phase.", ["phase"])
+        self.goodput = counter("request_goodput", "Finished requests with targets that met all of them.")
         # engine state after the latest step
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests admitted but not yet scheduled.")
@@ -95,6 +101,19 @@ class ServerMetrics:
                 hist.observe(value)
         for gap in m.itl:
             self.itl.observe(gap)
+        if out.finish_reason != "abort" and (m.ttft_target is not None or m.tpot_target is not None):
+            good = True
+            for phase, target, attained in (("ttft", m.ttft_target, m.ttft_attained),
+                                            ("tpot", m.tpot_target, m.tpot_attained)):
+                if target is None:
+                    continue
+                self.slo_requests.labels(phase).inc()
+                if attained:   # None (e.g. failed before its first token) is a miss
+                    self.slo_attained.labels(phase).inc()
+                else:
+                    good = False
+            if good:
+                self.goodput.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

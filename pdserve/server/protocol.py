@@ -6,11 +6,19 @@ Unknown fields are ignored, as OpenAI's own server does for fields it does not k
 """
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, StrictFloat, StrictInt, field_validator
+
+from pdserve.objectives import RequestObjectives
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class SLOTargets(BaseModel):
+    """Per-phase latency targets of one request, in milliseconds (None: the server's default)."""
+    ttft_ms: StrictFloat | StrictInt | None = None
+    tpot_ms: StrictFloat | StrictInt | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -34,6 +42,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's priority (lower runs first; --scheduling-policy priority) and pdserve's per-phase targets
+    priority: StrictInt = 0
+    slo: SLOTargets | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -46,6 +57,9 @@ class _SamplingFields(BaseModel):
         kw = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
         kw.update(ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
                   skip_special_tokens=self.skip_special_tokens)
+        if self.priority or self.slo is not None:   # ranges checked by RequestObjectives (400 naming the field)
+            slo = self.slo or SLOTargets()
+            kw["objectives"] = RequestObjectives(self.priority, slo.ttft_ms, slo.tpot_ms)
         return kw
 
     @property
