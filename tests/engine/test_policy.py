@@ -123,19 +123,20 @@ def test_priority_does_not_preempt_when_it_would_not_make_room():
 
 
 def test_priority_victim_when_a_decode_needs_a_block():
-    # 3 blocks of 2, full; the highest-priority sequence (a) needs a fourth block
+    # 3 blocks of 2; c (priority 1) is admitted after b (priority 2)
     s = Scheduler(BlockManager(3, 2), max_num_batched_tokens=64, max_num_seqs=8, policy=PriorityPolicy())
     a, b, c = seq("a", 1, priority=0), seq("b", 1, priority=2, arrival=1.0), seq("c", 1, priority=1, arrival=2.0)
-    for x in (a, b, c):
-        s.add(x)
-    run_step(s)   # prefill one token each: a block each
-    out = run_step(s)   # decodes at position 1: still inside the first block
-    assert out.preempted == [] and s.block_manager.num_free_blocks == 0
-    assert (a.block_table, c.block_table, b.block_table) == ([0], [1], [2])   # admitted a, c, b
-    out = run_step(s)   # position 2: each needs a second block
-    # a takes b's (priority 2, not c, the most recent); then c, with only a scheduled, yields itself
-    assert out.preempted == [b, c] and names(out.seqs) == ["a"] and a.block_table == [0, 2]
-    assert list(s.waiting) == [c, b] and s.block_manager.num_free_blocks == 1
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.add(c)
+    run_step(s)   # a and b decode at position 1, inside their first block; c prefills
+    assert (a.block_table, b.block_table, c.block_table) == ([0], [1], [2]) and s.running == [a, b, c]
+    out = run_step(s)   # a and b reach position 2: a second block each, none free
+    # a takes b's block (lowest priority; fcfs would take c's, the most recent); b is gone, c
+    # decodes inside its block
+    assert out.preempted == [b] and names(out.seqs) == ["a", "c"] and out.num_tokens == [1, 1]
+    assert a.block_table == [0, 1] and c.block_table == [2] and list(s.waiting) == [b]
 
 
 # ---- slo
@@ -218,6 +219,21 @@ def test_slo_no_starvation_under_a_stream_of_tight_requests():
             break
     # the first tight one arrives before old is scheduled; old's deadline (10) beats arrivals from t = 9 on
     assert admitted_at is not None and admitted_at <= 10
+
+
+def test_slo_request_without_a_ttft_target_is_not_starved():
+    s = slo_scheduler(budget=4, seats=1)
+    old = seq("old", 4, arrival=0.0)   # no target: ordered as if its deadline were NO_TARGET_TTFT_S
+    s.add(old)
+    for t in range(1, 40):
+        s.add(seq(f"tight-{t}", 4, arrival=float(t), ttft=2.0))
+        out = run_step(s, now=float(t))
+        for x in out.seqs:
+            if x.num_output_tokens == 1:
+                s.finish(x, "length")
+        if old.is_finished:
+            break
+    assert old.is_finished and 28 <= t <= 31
 
 
 def test_slo_resumed_sequences_go_first():

@@ -1,6 +1,9 @@
 """Request objectives end to end: priority and slo fields, their validation, per-request
 attainment in the response, the attainment counters in /metrics, early refusal under
 --slo-admission reject, and priority preemption through the API."""
+import json
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -78,6 +81,27 @@ def test_unattainable_ttft_is_refused_at_once(slo_server):
     assert err["code"] == "slo_unattainable" and err["param"] == "slo" and "cannot be met" in err["message"]
     ok = httpx.post(slo_server.url + "/v1/completions", json={**CMPL, "slo": {"ttft_ms": 60000}}, timeout=30)
     assert ok.status_code == 200, ok.text
+
+
+def test_bench_sends_each_kind_its_objectives(slo_server, tmp_path):
+    before = metrics(slo_server.url)
+    out = tmp_path / "mix.json"
+    # long requests get a TTFT target nothing can meet: the server refuses them at once
+    p = subprocess.run([sys.executable, "-m", "pdserve", "bench", "--disable-tqdm", "--base-url", slo_server.url,
+                        "--dataset-name", "long-short", "--num-prompts", "10", "--long-fraction", "0.2",
+                        "--random-input-len", "8", "--long-input-len", "64", "--random-output-len", "4",
+                        "--slo-mix", "short:60000:60000:0", "long:0.000001:60000:1", "--output", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    assert (res["completed"], res["failed"]) == (8, 2)
+    assert res["slo_attainment"] == pytest.approx(0.8) and res["short_slo_attainment"] == 1.0
+    assert res["long_slo_attainment"] == 0.0
+    refused = [e for e in res["errors"] if e]
+    assert len(refused) == 2 and all(e.startswith("HTTP 503: request refused: its TTFT target") for e in refused)
+    after = metrics(slo_server.url)
+    assert after['pdserve:request_slo_total{phase="ttft"}'] - before['pdserve:request_slo_total{phase="ttft"}'] == 8
+    assert "SLO attainment (TTFT, TPOT, both):" in p.stdout
 
 
 def test_higher_priority_request_preempts_through_the_api(start_server, tiny_llama):
