@@ -90,3 +90,21 @@ def test_calibrate_times_each_shape_and_fits():
     # every shape fits the context and the budget
     for n, c in shapes:
         assert sum(n) <= 512 and all(a + b <= 2048 for a, b in zip(n, c))
+
+
+def test_engine_calibrates_at_start_and_learns_from_every_step(tiny_llama):
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(tiny_llama, scheduling_policy="slo", max_num_batched_tokens=64, max_num_seqs=4)
+    cm = engine.cost_model
+    assert cm.num_calibration == len(calibration_shapes(64, 4, engine.max_model_len))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks   # calibration gave its blocks back
+    for i in range(3):
+        engine.add_request(str(i), list(range(1, 20 + 30 * i)), SamplingParams(max_tokens=5, temperature=0))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert cm.num_observed == steps
+    assert LLMEngine(tiny_llama).cost_model is None   # fcfs: nothing calibrated, nothing observed
