@@ -123,6 +123,8 @@ class LLMEngine:
             logger.exception("engine step failed; failing its %d requests", len(failed))
             self._fail(failed, outputs)
             return outputs
+        if self.cost_model is not None:   # inside the step's time: its cost shows as "output"
+            self.cost_model.observe(features, time.perf_counter() - start)
         end = time.perf_counter()
         phases = {"schedule": scheduled - start, **self.runner.last_times}
         phases["output"] = end - start - sum(phases.values())
@@ -130,8 +132,6 @@ class LLMEngine:
                                    sched.num_decode_tokens, len(sched.preempted), self.runner.last_forward_time, phases)
         if self.profiler is not None:
             self.profiler.add(self.last_step)
-        if self.cost_model is not None:
-            self.cost_model.observe(features, end - start)
         return outputs
 
     def calibrate_cost_model(self) -> StepCostModel:
