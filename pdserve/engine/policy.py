@@ -12,7 +12,7 @@ requests asked for, as a few hooks the Scheduler calls.
   of the prefill still to do (now is common to all, so the order is by that difference); a
   sequence that was preempted after its first token goes first (its TPOT is what suffers). In a
   step that decodes, prefill tokens are capped so the predicted step time stays within the
-  tightest TPOT target among the step's decodes, by a StepCostModel; the cap is >= 1, so the
+  tightest TPOT target among the step's decodes (less TPOT_HEADROOM), by a StepCostModel; the cap is >= 1, so the
   most urgent prefill advances in every step, and a request without a TTFT target is ordered as
   if it had NO_TARGET_TTFT_S: deadlines are finite, so earliest-deadline order starves nothing.
   With admission="reject", a request whose predicted TTFT misses its target is refused at once.
@@ -21,6 +21,9 @@ from pdserve.engine.cost_model import StepCostModel
 from pdserve.engine.sequence import Sequence
 
 NO_TARGET_TTFT_S = 30.0
+# a step is planned to take at most this share of the tightest TPOT target: step times scatter
+# around the model's prediction, and a step planned at exactly the target misses half the time
+TPOT_HEADROOM = 0.8
 
 
 class FCFSPolicy:
@@ -132,7 +135,8 @@ class SLOPolicy(FCFSPolicy):
                 target = t
         if target is None:   # nothing decoding with a TPOT target: no TPOT at stake
             return budget
-        return min(budget, max(1, self.cost_model.max_prefill_tokens(target, decodes, pairs, budget)))
+        cap = self.cost_model.max_prefill_tokens(TPOT_HEADROOM * target, decodes, pairs, budget)
+        return min(budget, max(1, cap))
 
     def predicted_ttft(self, seq: Sequence, scheduler) -> float:
         """Seconds until seq's first token if it queues behind every prefill that is more urgent,
@@ -152,7 +156,7 @@ class SLOPolicy(FCFSPolicy):
         ahead += sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting if self.key(s) <= key)
         budget = self.max_num_batched_tokens - decodes
         per_step = budget if target is None else max(1, self.cost_model.max_prefill_tokens(
-            target, decodes, pairs, max(1, budget)))
+            TPOT_HEADROOM * target, decodes, pairs, max(1, budget)))
         return self.cost_model.prefill_time(ahead, per_step, decodes, pairs)
 
     def refuse(self, seq, scheduler, now):

@@ -160,12 +160,12 @@ def test_slo_admits_by_ttft_slack():
 
 def test_slo_caps_prefill_to_protect_the_tightest_tpot():
     s = slo_scheduler(budget=64)
-    a = seq("a", 4, tpot=0.030)
+    a = seq("a", 4, tpot=0.0375)
     s.add(a)
     run_step(s)
     s.add(seq("b", 100, ttft=10.0))
     out = run_step(s)
-    # one decode + n prefill tokens: 10 ms + (1 + n) ms <= 30 ms -> n = 19
+    # one decode + n prefill tokens: 10 ms + (1 + n) ms <= 0.8 x 37.5 ms (TPOT_HEADROOM) -> n = 19
     assert names(out.seqs) == ["a", "b"] and out.num_tokens == [1, 19]
     out = run_step(s)
     assert out.num_tokens == [1, 19] and out.num_prefill_tokens == 19
@@ -174,11 +174,11 @@ def test_slo_caps_prefill_to_protect_the_tightest_tpot():
 def test_slo_cap_follows_the_tightest_running_target():
     s = slo_scheduler(budget=64)
     s.add(seq("a", 4, tpot=0.030))
-    s.add(seq("c", 4, tpot=0.015))
+    s.add(seq("c", 4, tpot=0.01875))
     run_step(s)
     s.add(seq("b", 100, ttft=10.0))
     out = run_step(s)
-    # two decodes + n prefill tokens: 10 ms + (2 + n) ms <= 15 ms -> n = 3
+    # two decodes + n prefill tokens: 10 ms + (2 + n) ms <= 0.8 x 18.75 ms -> n = 3
     assert names(out.seqs) == ["a", "c", "b"] and out.num_tokens == [1, 1, 3]
 
 
