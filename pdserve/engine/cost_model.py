@@ -35,9 +35,11 @@ class StepCostModel:
     def __init__(self, coef: tuple[float, ...] | None = None):
         self.coef = np.asarray(coef if coef is not None else (0.0,) * len(FEATURES), dtype=float)
         k = len(FEATURES)
-        self._cal_xtx, self._cal_xty = np.zeros((k, k)), np.zeros(k)   # start-up points
+        # normal equations as plain lists: observe() runs in every step, and numpy's per-call
+        # cost on a handful of floats is many times the arithmetic
+        self._cal_xtx, self._cal_xty = [0.0] * (k * k), [0.0] * k   # start-up points
         self._cal_weight = 1.0
-        self._xtx, self._xty = np.zeros((k, k)), np.zeros(k)           # measured steps, decayed
+        self._xtx, self._xty = [0.0] * (k * k), [0.0] * k           # measured steps, decayed
         self.num_observed = 0
         self.num_calibration = 0
         self._since_fit = 0
@@ -82,28 +84,31 @@ class StepCostModel:
 
     def observe(self, x, seconds: float) -> None:
         """A measured step; refits every REFIT_EVERY of them."""
-        self._xtx *= FORGET
-        self._xty *= FORGET
         self._cal_weight = max(CALIBRATION_FLOOR, self._cal_weight * FORGET)
-        self._accumulate(self._xtx, self._xty, x, seconds)
+        self._accumulate(self._xtx, self._xty, x, seconds, FORGET)
         self.num_observed += 1
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY:
             self.fit()
 
     @staticmethod
-    def _accumulate(xtx, xty, x, seconds: float) -> None:
+    def _accumulate(xtx: list, xty: list, x, seconds: float, decay: float = 1.0) -> None:
         if seconds <= 0:
             return
-        x = np.asarray(x, dtype=float) / seconds   # relative error: each row divided by its target
-        xtx += np.outer(x, x)
-        xty += x   # (y / y = 1)
+        x = [v / seconds for v in x]   # relative error: each row divided by its target (y / y = 1)
+        k = len(x)
+        for i in range(k):
+            xty[i] = decay * xty[i] + x[i]
+            xi, row = x[i], i * k
+            for j in range(k):
+                xtx[row + j] = decay * xtx[row + j] + xi * x[j]
 
     def fit(self) -> np.ndarray:
         """Non-negative least squares on the accumulated normal equations (active set)."""
         self._since_fit = 0
-        w = self._cal_weight
-        a, b = w * self._cal_xtx + self._xtx, w * self._cal_xty + self._xty
+        k, w = len(FEATURES), self._cal_weight
+        a = (w * np.array(self._cal_xtx) + np.array(self._xtx)).reshape(k, k)
+        b = w * np.array(self._cal_xty) + np.array(self._xty)
         if not a.any():
             return self.coef
         # features differ by orders of magnitude (1 against ~1e5 attention pairs): solve in
