@@ -75,12 +75,11 @@ class PriorityPolicy(FCFSPolicy):
         if not waiting or not running:
             return []
         head = min(waiting, key=priority_key)
-        lower = sorted((s for s in running if s.priority > head.priority), key=priority_key, reverse=True)
         need = min(head.num_tokens - head.num_computed_tokens, budget)
-        seats_bind = len(running) >= scheduler.max_num_seqs
         missing = bm.blocks_needed(head, need) - bm.num_free_blocks
-        if not seats_bind and missing <= 0:
+        if len(running) < scheduler.max_num_seqs and missing <= 0:   # neither seats nor blocks bind
             return []
+        lower = sorted((s for s in running if s.priority > head.priority), key=priority_key, reverse=True)
         # evict only if it lets head in: enough lower-priority seats and blocks to take
         if not lower or missing > sum(len(s.block_table) for s in lower):
             return []
