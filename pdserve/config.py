@@ -98,25 +98,42 @@ class ModelConfig:
         return float(self.raw.get("rms_norm_eps", 1e-6))
 
 
+def option(default, help: str, **argparse_kwargs):
+    """A config field that is also a command-line flag (--field-name), its help shown by --help:
+    pdserve/engine/args.py generates the flags from these. `min` bounds an integer from below
+    (`note` is added to that error)."""
+    return field(default=default, metadata=dict(help=help, **argparse_kwargs))
+
+
 @dataclass
 class EngineConfig:
     model: str
-    dtype: str = "auto"
-    device: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
+    dtype: str = option("auto", "weight and activation dtype; auto = the checkpoint's torch_dtype on GPU, float32 "
+                        "on CPU (equal to transformers; bfloat16 is faster on CPUs with AVX512-BF16)",
+                        choices=["auto", "float32", "bfloat16", "float16"])
+    device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu)")
+    block_size: int = option(16, "tokens per KV-cache block", min=1)
+    num_kv_blocks: int | None = option(None, "number of KV-cache blocks (overrides --kv-cache-memory)", min=1)
+    kv_cache_memory: int | None = option(None, "bytes of memory for the KV cache (default: enough for "
+                                         "max-num-seqs full-length sequences, capped at 4 GiB)", min=1)
+    max_num_batched_tokens: int = option(512, "token budget of one engine step (prefill chunks + decodes)", min=1)
+    max_num_seqs: int = option(64, "most sequences in one engine step", min=1)
     # In a step that also decodes, at most this many prefill tokens in all (0: no cap; a step
     # without decodes still takes max_num_batched_tokens). Keeps running streams' ITL steady at a
     # cost in throughput and queued TTFT, so it is off by default (docs/PERFORMANCE.md).
-    max_prefill_tokens_with_decodes: int = 0
-    max_model_len: int | None = None
-    seed: int = 0
-    quantization: str | None = None     # "int8": weight-only int8 linears (CPU packed kernel)
-    cpu_kernels: bool | None = None     # pdserve/kernels on CPU; None = use them where they build
-    profile_steps: int | None = None    # keep per-step phase timings; log a summary every N steps (0: never)
+    max_prefill_tokens_with_decodes: int = option(
+        0, "in a step that also decodes, at most N prefill tokens in all, so a long prompt does not stall running "
+        "streams (a step without decodes still takes the whole --max-num-batched-tokens); 0 = no cap",
+        min=0, note=" (0 = no cap)", metavar="N")
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's "
+                                       "max_position_embeddings)", min=1)
+    seed: int = option(0, "seed for requests that give none")
+    quantization: str | None = option(None, "weight-only int8 linears (per-channel scales; CPU kernels only)",
+                                      choices=["int8"])
+    cpu_kernels: bool | None = option(None, "CPU: linears, attention, norms and rotary on pdserve's own kernels "
+                                      "(default: where they build); --no-cpu-kernels uses torch's ops")
+    profile_steps: int | None = option(None, "log where engine steps spend their time (schedule, prepare, "
+                                       "forward, sample, output) every N steps", min=0, metavar="N")
 
     def __post_init__(self):
         if self.device is None:
