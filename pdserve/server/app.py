@@ -7,7 +7,7 @@ from pdserve.server import openai_api, origin_api, utility_api
 from pdserve.server.async_engine import EngineThread
 from pdserve.server.errors import install_error_handlers
 from pdserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
-from pdserve.server.state import ServerConfig, ServerState
+from pdserve.server.admission import ServerConfig, ServerState
 
 
 def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:

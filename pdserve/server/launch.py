@@ -84,7 +84,7 @@ def _seconds(text: str) -> float:
 
 
 def server_config(args: argparse.Namespace, model_name: str):
-    from pdserve.server.state import ServerConfig
+    from pdserve.server.admission import ServerConfig
     return ServerConfig(served_model_name=args.served_model_name or model_name, max_waiting=args.max_waiting,
                         max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
                         max_stop_length=args.max_stop_length, max_prompt_tokens=args.max_prompt_tokens,

@@ -14,7 +14,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import RequestError
 from pdserve.server.errors import APIError, error_body
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.server.state import ServerState, get_state
+from pdserve.server.admission import ServerState, get_state
 from pdserve.server.streaming import DONE, sse, sse_response, unless_disconnected
 
 router = APIRouter()

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.errors import APIError
 from pdserve.server.protocol import BasicGenerateRequest, GenerateRequest, GenerateStreamRequest
-from pdserve.server.state import get_state
+from pdserve.server.admission import get_state
 from pdserve.server.streaming import sse, sse_response, unless_disconnected
 
 router = APIRouter()

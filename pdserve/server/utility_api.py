@@ -7,7 +7,7 @@ from pdserve.errors import RequestError
 from pdserve.server.errors import error_body
 from pdserve.server.metrics import CONTENT_TYPE
 from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from pdserve.server.state import get_state
+from pdserve.server.admission import get_state
 
 router = APIRouter()
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from pdserve.server import launch, middleware
-from pdserve.server.state import ServerConfig
+from pdserve.server.admission import ServerConfig
 
 FLAGS = ["--max-prompt-tokens", "40", "--max-tokens-cap", "20", "--max-n", "2", "--max-logprobs", "3",
          "--max-stop-strings", "2", "--max-stop-length", "5", "--max-body-bytes", "4000"]

@@ -1,4 +1,4 @@
-"""What every handler needs: the engine, its tokenizer, the server's limits, and the checks
+"""Admission: what every handler needs (the engine, its tokenizer, the server's limits) and the checks
 that turn a request body into engine requests (prompt ids plus SamplingParams)."""
 import time
 import uuid
