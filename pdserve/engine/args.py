@@ -27,34 +27,35 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weight and activation dtype; auto = the checkpoint's torch_dtype on GPU, float32 on CPU "
                         "(equal to transformers; bfloat16 is faster on CPUs with AVX512-BF16)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
-    g.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV-cache block")
+    g.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV-cache block (default: %(default)s)")
     g.add_argument("--num-kv-blocks", type=int_at_least(1), default=None,
-                   help="number of KV-cache blocks (overrides --kv-cache-memory)")
+                   help="number of KV-cache blocks (overrides --kv-cache-memory; default: from --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=int_at_least(1), default=None,
                    help="bytes of memory for the KV cache (default: enough for max-num-seqs full-length "
                         "sequences, capped at 4 GiB)")
     g.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512,
-                   help="token budget of one engine step (prefill chunks + decodes)")
+                   help="token budget of one engine step (prefill chunks + decodes) (default: %(default)s)")
     g.add_argument("--max-prefill-tokens-with-decodes", type=int_at_least(0, " (0 = no cap)"), metavar="N",
                    default=0,
                    help="in a step that also decodes, at most N prefill tokens in all, so a long prompt does not "
                         "stall running streams (a step without decodes still takes the whole "
                         "--max-num-batched-tokens); 32 keeps streams even on a 0.5B CPU model at some cost in "
                         "throughput and queued TTFT; 0 = no cap (default)")
-    g.add_argument("--max-num-seqs", type=int_at_least(1), default=64, help="most sequences in one engine step")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: the model's max_position_embeddings)")
-    g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    g.add_argument("--max-num-seqs", type=int_at_least(1), default=64, help="most sequences in one engine step (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int_at_least(1), default=None,
+                   help="longest prompt + output, at most the model's max_position_embeddings "
+                        "(default: max_position_embeddings)")
+    g.add_argument("--seed", type=int, default=0, help="seed for requests that give none (default: %(default)s)")
     g.add_argument("--quantization", default=None, choices=["int8"],
-                   help="weight-only int8 linears (per-channel scales; CPU only; docs/BENCHMARKS.md has its "
+                   help="weight-only int8 linears (default: none, the checkpoint's weights) (per-channel scales; CPU only; docs/BENCHMARKS.md has its "
                         "speed and accuracy)")
     g.add_argument("--cpu-kernels", default=None, action=argparse.BooleanOptionalAction,
                    help="CPU: run linears on pre-packed weights and decode attention on pdserve's own kernels "
                         "(default: yes where they build: x86 with AVX-512 and a C++ compiler); "
                         "--no-cpu-kernels uses torch's ops")
-    g.add_argument("--profile-steps", type=int, default=None, metavar="N",
+    g.add_argument("--profile-steps", type=int_at_least(0), default=None, metavar="N",
                    help="step profiler: log where engine steps spend their time (schedule, prepare, forward, "
-                        "sample, output; overhead = all but the forward) every N steps")
+                        "sample, output; overhead = all but the forward) every N steps (default: off)")
     # vLLM's and transformers' flag, refused with a one-line error rather than "unrecognized arguments"
     g.add_argument("--trust-remote-code", nargs=0, action=_RefuseRemoteCode, help=argparse.SUPPRESS)
 
@@ -63,6 +64,18 @@ class _RefuseRemoteCode(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         parser.exit(2, f"{parser.prog}: error: --trust-remote-code is not supported: pdserve never runs code "
                        "from checkpoints (supported architectures are built in)\n")
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """What can be checked before loading: --max-model-len against the checkpoint's own limit
+    (a ConfigError, which the CLI prints as one line)."""
+    from pdserve.config import ModelConfig
+    from pdserve.errors import ConfigError
+    if args.max_model_len is not None:
+        limit = ModelConfig.from_dir(args.model).max_position_embeddings
+        if args.max_model_len > limit:
+            raise ConfigError(f"--max-model-len {args.max_model_len} is more than the model's "
+                              f"max_position_embeddings ({limit})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
