@@ -31,6 +31,8 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
                code: str | int | None = None) -> dict:
     # a message quoting the client's text must still encode as UTF-8 (a lone surrogate would not)
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
