@@ -143,7 +143,7 @@ def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
         return None if "*" in args.allowed_hosts else args.allowed_hosts
     if args.host in WILDCARD_HOSTS:   # every interface: names this machine goes by are not known here
         return None
-    return [args.host, *LOCAL_HOSTS]
+    return list(dict.fromkeys([args.host, *LOCAL_HOSTS]))
 
 
 def server_config(args: argparse.Namespace, model_name: str):

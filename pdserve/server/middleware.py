@@ -17,7 +17,7 @@ from pdserve.server.errors import error_body
 log = logging.getLogger("pdserve.server")
 
 # Open even with --api-key: probes and scrapers carry no key, and these reveal no data.
-OPEN_PATHS = {"/health", "/metrics", "/version"}
+OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json"}
 
 
 async def _refuse(scope, receive, send, status: int, message: str, code: str, param: str | None = None,

@@ -18,6 +18,8 @@ WHY = {400: "Bad request: a field out of range or of the wrong type (named in `p
        415: "Body not sent as application/json", 500: "Internal error, or the engine failed this request",
        503: "Queue full (--max-waiting; Retry-After), shutting down, or the engine is not running",
        504: "Not finished within --request-timeout"}
+# One server-sent event: its `data` is a JSON chunk, or [DONE] at the end.
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 GENERATION = {"/v1/completions", "/v1/chat/completions", "/basic_generate", "/generate", "/generate_stream"}
 STREAMS = {"/v1/completions", "/v1/chat/completions", "/generate_stream"}
 
@@ -56,7 +58,7 @@ def install_openapi(app: FastAPI, state) -> None:
                     responses[str(code)] = {"description": WHY[code], "content": error}
                 ok = responses.setdefault("200", {"description": "OK"})
                 if path in STREAMS:   # "stream": true answers server-sent events
-                    events = {"text/event-stream": {"schema": {"type": "string"}}}
+                    events = {"text/event-stream": {"schema": SSE_EVENT}}
                     ok["content"] = events if path == "/generate_stream" else {**ok.get("content", {}), **events}
                 if path == "/metrics":
                     ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
