@@ -25,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="HF-format checkpoint directory (default: the bundled default model)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype; auto = the checkpoint's torch_dtype on GPU, float32 on CPU "
-                        "(equal to transformers; bfloat16 is faster on CPUs with AVX512-BF16)")
+                        "(equal to transformers; bfloat16 is faster on CPUs with AVX512-BF16) (default: %(default)s)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
     g.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV-cache block (default: %(default)s)")
     g.add_argument("--num-kv-blocks", type=int_at_least(1), default=None,
