@@ -249,3 +249,15 @@ def test_as_many_clients_as_seats_are_never_refused():
     with running_app(FakeEngine(max_num_seqs=4), max_waiting=0) as (host, port):
         asyncio.run(clients(f"http://{host}:{port}"))
     assert statuses == [200] * 60, sorted(set(statuses))
+
+
+def test_metrics_carry_model_name_and_no_created_series():
+    with client() as c:
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        text = c.get("/metrics").text
+    series = [line for line in text.splitlines() if line.startswith("pdserve:")]
+    assert series and all('model_name="fake-model"' in line for line in series), \
+        [line for line in series if "model_name" not in line][:3]
+    assert "_created" not in text
+    assert 'pdserve:request_success_total{finished_reason="length",model_name="fake-model"} 1.0' in text or \
+        'pdserve:request_success_total{model_name="fake-model",finished_reason="length"} 1.0' in text
