@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.checkpoint_files import checkpoint_file
-from pdserve.errors import CheckpointError
+from pdserve.errors import CheckpointError, ConfigError
 
 
 @dataclass
@@ -139,25 +139,25 @@ class EngineConfig:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device cuda was asked for but torch sees no CUDA device")
+            raise ConfigError("device cuda was asked for but torch sees no CUDA device")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not isinstance(self.max_prefill_tokens_with_decodes, int) or self.max_prefill_tokens_with_decodes < 0:
-            raise ValueError(f"max_prefill_tokens_with_decodes must be >= 0 (0 = no cap), "
+            raise ConfigError(f"max_prefill_tokens_with_decodes must be >= 0 (0 = no cap), "
                              f"got {self.max_prefill_tokens_with_decodes!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+            raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
         if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
+            raise ConfigError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if self.quantization and (self.device != "cpu" or self.cpu_kernels is False):
-            raise ValueError("--quantization int8 runs on pdserve's CPU linear kernel: it needs --device cpu "
+            raise ConfigError("--quantization int8 runs on pdserve's CPU linear kernel: it needs --device cpu "
                              "and --cpu-kernels")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in every step, or some would stall

@@ -14,3 +14,7 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class ConfigError(ValueError):
+    """An engine or server option that cannot work (a device that is not there, a bound out of range)."""

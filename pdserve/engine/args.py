@@ -65,6 +65,18 @@ class _RefuseRemoteCode(argparse.Action):
                        "from checkpoints (supported architectures are built in)\n")
 
 
+def check_engine_args(args: argparse.Namespace) -> None:
+    """What can be checked before loading: --max-model-len against the checkpoint's own limit
+    (a ConfigError, which the CLI prints as one line)."""
+    from pdserve.config import ModelConfig
+    from pdserve.errors import ConfigError
+    if args.max_model_len is not None:
+        limit = ModelConfig.from_dir(args.model).max_position_embeddings
+        if args.max_model_len > limit:
+            raise ConfigError(f"--max-model-len {args.max_model_len} is more than the model's "
+                              f"max_position_embeddings ({limit})")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The LLMEngine/LLM keyword arguments from parsed engine args."""
     return dict(model=args.model, **{name: getattr(args, name) for name in ENGINE_FIELDS})

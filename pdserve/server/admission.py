@@ -1,15 +1,18 @@
 """Admission: what every handler needs (the engine, its tokenizer, the server's limits) and the checks
 that turn a request body into engine requests (prompt ids plus SamplingParams)."""
+import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from pdserve import __version__
 from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.async_engine import AsyncEngine, EngineThread, Submission
-from pdserve.server.errors import APIError
+from pdserve.server.errors import APIError, Overloaded
 from pdserve.server.metrics import ServerMetrics
 
 
@@ -24,9 +27,18 @@ class ServerConfig:
     max_tokens_cap: int | None = None     # None: whatever fits in the context
     max_n: int = 64
     max_logprobs: int = 20
+    max_request_cost: int = 1 << 17       # prompts x n x max_tokens x (1 + logprobs) of one request
     request_timeout: float | None = None  # seconds from arrival; None: no limit
     api_key: str | None = None
     step_log: str | None = None   # JSONL file: one line per engine step (for `pdserve report`)
+    allowed_hosts: list[str] | None = None   # Host header names accepted; None: any
+    cors_origins: list[str] = field(default_factory=list)   # empty: no CORS headers at all
+    cors_methods: list[str] = field(default_factory=lambda: ["GET", "POST"])
+    cors_headers: list[str] = field(default_factory=lambda: ["Authorization", "Content-Type"])
+    cors_credentials: bool = False
+
+# Texts longer than this are tokenized on a worker thread, so the event loop keeps answering.
+OFFLOAD_CHARS = 4096
 
 
 class ServerState:
@@ -35,10 +47,24 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         self.config = config
         self.max_model_len = engine.max_model_len
-        self.metrics = ServerMetrics(config.step_log)
+        self.metrics = ServerMetrics(config.step_log, config.served_model_name)
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
                                         engine_thread)
         self.created = int(time.time())
+        self.version = __version__
+        # A prompt longer than this many characters has more tokens than the cap (Tokenizer.max_token_chars):
+        # refused before any tokenizing.
+        self.max_prompt_chars = (config.max_prompt_tokens or self.max_model_len) * \
+            getattr(self.tokenizer, "max_token_chars", 1 << 20)
+        # Tokenizing long texts and building big responses: off the event loop, two at a time.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-cpu")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def offload(self, fn, *args):
+        """fn(*args) on a worker thread (CPU-heavy Python: the loop keeps answering while it runs)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ---- checks
 
@@ -62,9 +88,43 @@ class ServerState:
             raise RequestError(f"n must be at most {self.config.max_n} (--max-n), got {n}", param="n")
 
     def check_logprobs(self, k: int | None, param: str) -> None:
+        if k is not None and k < 0:
+            raise RequestError(f"{param} must be >= 0, got {k}", param=param)
         if k is not None and k > self.config.max_logprobs:
             raise RequestError(f"{param} must be at most {self.config.max_logprobs} (--max-logprobs), got {k}",
                                param=param)
+
+    def check_queue(self, num_seqs: int, param: str = "n") -> None:
+        """Before any tokenizing: 400 if `num_seqs` could never be admitted, 503 if not now."""
+        most = self.config.max_waiting + self.async_engine.max_num_seqs
+        if num_seqs > most:   # would be refused however empty the queue
+            raise RequestError(f"this request needs {num_seqs} sequences (prompts x n) but at most {most} can be "
+                               f"admitted at once (--max-waiting + --max-num-seqs)", param=param)
+        if not self.async_engine.has_room(num_seqs):
+            raise Overloaded(f"too many requests waiting (--max-waiting {self.config.max_waiting}); retry later")
+
+    def check_cost(self, num_seqs: int, max_tokens: int, logprobs: int | None) -> None:
+        """What one request may make the server generate and send: every choice's tokens, each
+        with its logprobs (--max-request-cost)."""
+        cost = num_seqs * max_tokens * (1 + (logprobs or 0))
+        if cost > self.config.max_request_cost:
+            raise RequestError(f"this request asks for {num_seqs} sequences (prompts x n) x max_tokens {max_tokens} "
+                               f"x (1 + logprobs {logprobs or 0}) = {cost} tokens, more than --max-request-cost "
+                               f"({self.config.max_request_cost}); lower max_tokens, n or logprobs",
+                               param="max_tokens")
+
+    def cost_default(self, wanted: int, num_seqs: int, logprobs: int | None) -> int:
+        """A default max_tokens lowered so the request fits --max-request-cost (at least 1)."""
+        return max(1, min(wanted, self.config.max_request_cost // (num_seqs * (1 + (logprobs or 0)))))
+
+    def check_prompt_chars(self, texts: list[str], param: str = "prompt") -> None:
+        """Refuse, before tokenizing, a text so long it must have more tokens than the cap."""
+        longest = max((len(t) for t in texts), default=0)
+        if longest > self.max_prompt_chars:
+            cap = self.config.max_prompt_tokens or self.max_model_len
+            flag = "--max-prompt-tokens" if self.config.max_prompt_tokens else "the context length"
+            raise RequestError(f"{param} has {longest} characters: more tokens than this server accepts ({cap}, "
+                               f"{flag}) whatever the text", param=param)
 
     def check_max_tokens(self, max_tokens: int) -> None:
         cap = self.config.max_tokens_cap
@@ -84,17 +144,34 @@ class ServerState:
             raise RequestError(f"{param} has {longest} tokens; this server accepts at most {cap} prompt tokens "
                                "(--max-prompt-tokens)", param=param)
 
-    def encode(self, text: str, param: str = "prompt") -> list[int]:
-        if not text:
+    async def encode(self, texts: list[str], param: str = "prompt") -> list[list[int]]:
+        """Token ids of each text; long ones are tokenized off the event loop."""
+        if not all(texts):
             raise RequestError(f"{param} must not be empty", param=param)
-        return self.tokenizer.encode(text)
+        self.check_prompt_chars(texts, param)
+        if sum(len(t) for t in texts) <= OFFLOAD_CHARS:
+            return [self.tokenizer.encode(t) for t in texts]
+        return await self.offload(lambda: [self.tokenizer.encode(t) for t in texts])
 
-    def prompt_ids(self, prompt) -> list[list[int]]:
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat template's tokens; the template is rendered off the event loop when the text is long."""
+        self.check_prompt_chars(["".join(m["content"] for m in messages)], "messages")
+
+        def render():
+            try:
+                return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+            except ValueError as e:
+                raise RequestError(str(e), param="messages") from None
+        if sum(len(m["content"]) for m in messages) <= OFFLOAD_CHARS:
+            return render()
+        return await self.offload(render)
+
+    async def prompt_ids(self, prompt) -> list[list[int]]:
         """Completions' prompt (string, strings, ids or lists of ids; shape checked by pydantic) as id lists."""
         if isinstance(prompt, str):
-            return [self.encode(prompt)]
+            return await self.encode([prompt])
         if all(isinstance(p, str) for p in prompt):
-            return [self.encode(p) for p in prompt]
+            return await self.encode(prompt)
         if all(isinstance(t, int) for t in prompt):
             prompt = [prompt]
         for p in prompt:
@@ -112,9 +189,6 @@ class ServerState:
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
                      arrival_time: float, prefix: str) -> tuple[str, Submission]:
         """Engine request `{id}-{i}` for the i-th (prompt, params) pair: choice i of the response."""
-        if len(prompts) > self.config.max_waiting:   # would be refused however empty the queue
-            raise RequestError(f"this request needs {len(prompts)} sequences (prompts x n) but at most "
-                               f"{self.config.max_waiting} can wait (--max-waiting)", param="n")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         return request_id, await self.async_engine.submit(prompts, params, ids, arrival_time)

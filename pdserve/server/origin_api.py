@@ -25,13 +25,15 @@ router = APIRouter()
 async def _submit(request: Request, body, prompts: list[str], param: str = "prompt", stream: bool = False):
     arrival = time.perf_counter()
     s = get_state(request)
-    ids = [s.encode(p) for p in prompts]
-    s.check_prompt_len(ids, param)
+    s.check_queue(len(prompts), param)   # before the tokenizer: a full queue is refused at once
     if "max_tokens" in body.model_fields_set:
         s.check_max_tokens(body.max_tokens)
         max_tokens = body.max_tokens
     else:
-        max_tokens = s.default_max_tokens(body.max_tokens)
+        max_tokens = s.cost_default(s.default_max_tokens(body.max_tokens), len(prompts), None)
+    s.check_cost(len(prompts), max_tokens, None)
+    ids = await s.encode(prompts, param)
+    s.check_prompt_len(ids, param)
     # The origin had no context limit to speak of: stop at the context rather than refuse
     # (a prompt that fills the context alone is still refused, by the engine).
     params = [SamplingParams(max_tokens=min(max_tokens, max(1, s.max_model_len - len(p))),
