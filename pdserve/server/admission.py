@@ -11,6 +11,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.server.async_engine import AsyncEngine, EngineThread, Submission
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.step_events import StepEvents
 
 
 @dataclass
@@ -36,8 +37,9 @@ class ServerState:
         self.config = config
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(config.step_log)
+        self.step_events = StepEvents()
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
-                                        engine_thread)
+                                        engine_thread, self.step_events)
         self.created = int(time.time())
 
     # ---- checks

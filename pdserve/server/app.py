@@ -2,8 +2,9 @@
 import contextlib
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
-from pdserve.server import openai_api, origin_api, utility_api
+from pdserve.server import openai_api, origin_api, utility_api, web
 from pdserve.server.async_engine import EngineThread
 from pdserve.server.errors import install_error_handlers
 from pdserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
@@ -21,10 +22,12 @@ def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None =
         state.async_engine.stop()
 
     # strict_content_type=False: a JSON body without a Content-Type header is still JSON.
-    app = FastAPI(title="pdserve", lifespan=lifespan, strict_content_type=False)
+    # FastAPIOffline: /docs and /redoc load Swagger UI and ReDoc from this server, not a CDN.
+    app = FastAPIOffline(title="pdserve", lifespan=lifespan, strict_content_type=False, static_url="/static/docs")
     app.state.pdserve = state
     for module in (openai_api, origin_api, utility_api):
         app.include_router(module.router)
+    web.install(app)   # the page at / and /v1/engine/steps
     install_error_handlers(app)
     # The last added runs first: the key is checked before any body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)

@@ -107,6 +107,8 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig, frame):
         self.async_engine.accepting = False
+        if self.async_engine.step_events is not None:   # endless streams would hold the shutdown up
+            self.async_engine.step_events.close()
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None):

@@ -9,8 +9,11 @@ from fastapi.responses import JSONResponse
 
 from pdserve.server.errors import error_body
 
-# Open even with --api-key: probes and scrapers carry no key, and these reveal no data.
-OPEN_PATHS = {"/health", "/metrics", "/version"}
+# Open even with --api-key: probes and scrapers carry no key, and these reveal no data. The web
+# page and its files are open too (a browser cannot send the key to load them); the page asks
+# for the key and sends it with its API calls.
+OPEN_PATHS = {"/health", "/metrics", "/version", "/"}
+OPEN_PREFIXES = ("/static/",)
 
 
 class APIKeyMiddleware:
@@ -19,7 +22,8 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        path = scope["path"]
+        if scope["type"] == "http" and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):   # constant time: no timing oracle on the key
                 body = error_body("missing or invalid API key (send `Authorization: Bearer <key>`)",

@@ -1,0 +1,44 @@
+"""The web page at / (a playground and a live view of the engine's steps) and the step stream it reads.
+
+The page is plain HTML, CSS and JavaScript in static/, served from here: no CDN, no build step.
+"""
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from pdserve.server.admission import ServerState, get_state
+from pdserve.server.step_events import RING_SIZE
+from pdserve.server.streaming import sse, sse_response
+
+STATIC = Path(__file__).parent / "static"
+
+router = APIRouter()
+
+
+@router.get("/", include_in_schema=False)
+async def index():
+    return FileResponse(STATIC / "index.html")
+
+
+def engine_config(s: ServerState) -> dict:
+    """What the live view draws against: the step budget, the sequence cap, the KV cache's size."""
+    c = getattr(s.engine, "config", None)   # an EngineConfig (every backend has one)
+    limits = {name: getattr(c, name, None) for name in
+              ("max_num_batched_tokens", "max_num_seqs", "max_prefill_tokens_with_decodes", "block_size")}
+    return {"model": s.config.served_model_name, "backend": getattr(s.engine, "name", "") or "engine",
+            "max_model_len": s.max_model_len, **limits, "ring_size": s.step_events.ring_size}
+
+
+@router.get("/v1/engine/steps")
+async def engine_steps(request: Request, history: int = Query(0, ge=0, le=RING_SIZE,
+                                                              description="past steps to send first")):
+    """Server-sent events: `config` once, then one `step` event per engine step (docs/API.md)."""
+    s = get_state(request)
+    return sse_response(s.step_events.subscribe(history, greeting="event: config\n" + sse(engine_config(s))))
+
+
+def install(app: FastAPI) -> None:
+    app.include_router(router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
