@@ -22,8 +22,9 @@ def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None =
         state.async_engine.stop()
 
     # strict_content_type=False: a JSON body without a Content-Type header is still JSON.
-    # FastAPIOffline: /docs and /redoc load Swagger UI and ReDoc from this server, not a CDN.
-    app = FastAPIOffline(title="pdserve", lifespan=lifespan, strict_content_type=False, static_url="/static/docs")
+    # FastAPIOffline: /docs loads Swagger UI from this server, not a CDN (web.py serves /redoc).
+    app = FastAPIOffline(title="pdserve", lifespan=lifespan, strict_content_type=False, static_url="/static/docs",
+                         redoc_url=None)
     app.state.pdserve = state
     for module in (openai_api, origin_api, utility_api):
         app.include_router(module.router)

@@ -5,6 +5,7 @@ The page is plain HTML, CSS and JavaScript in static/, served from here: no CDN,
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.openapi.docs import get_redoc_html
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -17,9 +18,22 @@ STATIC = Path(__file__).parent / "static"
 router = APIRouter()
 
 
+# The browser may fetch images, fonts and data only from this server (ReDoc's bundle would load
+# its logo from a CDN; blocked, it hides it).
+OFFLINE_CSP = {"Content-Security-Policy": "img-src 'self' data:; font-src 'self' data:; connect-src 'self'"}
+
+
 @router.get("/", include_in_schema=False)
 async def index():
-    return FileResponse(STATIC / "index.html")
+    return FileResponse(STATIC / "index.html", headers=OFFLINE_CSP)
+
+
+@router.get("/redoc", include_in_schema=False)
+async def redoc():
+    page = get_redoc_html(openapi_url="/openapi.json", title="pdserve - ReDoc", with_google_fonts=False,
+                          redoc_js_url="/static/docs/redoc.standalone.js", redoc_favicon_url="/static/docs/favicon.png")
+    page.headers.update(OFFLINE_CSP)
+    return page
 
 
 def engine_config(s: ServerState) -> dict:

@@ -71,11 +71,13 @@ export function drawTimeline(canvas, events, window, config, hover) {
   events.forEach((e, i) => {
     if (!e.step) return;
     const x = x0 + i * width + (width > 3 ? 0.5 : 0), bw = Math.max(1, width - (width > 3 ? 1 : 0));
+    // at least 2 px for any tokens: a few decodes beside a long prefill chunk stay visible
     const d = e.step.decode_tokens, p = e.step.prefill_tokens;
+    const hd = d ? Math.max(2, bottom - y(d)) : 0, hp = p ? Math.max(2, y(d) - y(d + p)) : 0;
     ctx.fillStyle = COLORS.decode;
-    ctx.fillRect(x, y(d), bw, bottom - y(d));
+    ctx.fillRect(x, bottom - hd, bw, hd);
     ctx.fillStyle = COLORS.prefill;
-    ctx.fillRect(x, y(d + p), bw, y(d) - y(d + p));
+    ctx.fillRect(x, bottom - hd - hp, bw, hp);
     if (e.step.preemptions) {
       ctx.fillStyle = COLORS.preempted;
       ctx.fillRect(x, top, bw, 4);
