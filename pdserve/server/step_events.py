@@ -41,7 +41,7 @@ class StepEvent:
         return {"seq": self.seq, "time": self.time, "step": step, "running": st.num_running,
                 "waiting": st.num_waiting, "kv_cache_usage": st.kv_cache_usage,
                 "kv_free_blocks": st.num_free_blocks, "kv_total_blocks": st.num_total_blocks,
-                "requests": self.requests, "requests_omitted": self.omitted}
+                "requests": _as_dicts(self.requests), "requests_omitted": self.omitted}
 
     def text(self) -> str:
         if self._text is None:
@@ -162,33 +162,44 @@ class StepEvents:
             self._waiters.discard(waiter)
 
 
-def _requests(engine, stepped: bool, outputs) -> tuple[list[dict], int]:
-    """Each live request's phase and counters after the step, and what it did in it."""
+def _requests(engine, stepped: bool, outputs) -> tuple[tuple[list, list], int]:
+    """Each live request's phase and counters after the step, and what it did in it, as tuples
+    (dicts only on the event loop, in _as_dicts: this runs on the engine thread)."""
     sched = getattr(engine, "last_schedule", None) if stepped else None   # None: a baseline backend
-    scheduled, preempted = {}, set()
+    scheduled, preempted = {}, ()
     if sched is not None:
         scheduled = {seq.request_id: (n, p) for seq, n, p in zip(sched.seqs, sched.num_tokens, sched.is_prefill)}
         preempted = {seq.request_id for seq in sched.preempted}
-    entries = []
-    finished = [out for out in outputs if out.finished]
-    for out in finished[:MAX_REQUESTS]:
+    none = (0, False)
+    finished = []
+    ended = [out for out in outputs if out.finished]
+    for out in ended[:MAX_REQUESTS]:
         m = out.metrics
-        n, prefill = scheduled.get(out.request_id, (0, False))
-        entries.append({"id": out.request_id, "state": "finished", "finish_reason": out.finish_reason,
-                        "step_tokens": n, "step_prefill": prefill, "prompt_tokens": len(out.prompt_token_ids),
-                        "output_tokens": len(m.token_times), "preemptions": m.num_preemptions,
-                        "ttft_s": m.ttft, "tpot_s": m.tpot})
-    live = getattr(engine, "seqs", {}).values()   # in arrival order
-    for seq in itertools.islice(live, MAX_REQUESTS - len(entries)):
-        n, prefill = scheduled.get(seq.request_id, (0, False))
-        if seq.status is SequenceStatus.WAITING:
+        finished.append((out.request_id, out.finish_reason, *scheduled.get(out.request_id, none),
+                         len(out.prompt_token_ids), len(m.token_times), m.num_preemptions, m.ttft, m.tpot))
+    live = []
+    seqs = getattr(engine, "seqs", {})   # in arrival order
+    waiting = SequenceStatus.WAITING
+    for seq in itertools.islice(seqs.values(), MAX_REQUESTS - len(finished)):
+        rid = seq.request_id
+        if seq.status is waiting:
             state = "waiting"
         elif sched is None:
             state = "running"
         else:
-            state = "prefill" if seq.is_prefill else "decode"
-        entries.append({"id": seq.request_id, "state": state, "step_tokens": n, "step_prefill": prefill,
-                        "preempted": seq.request_id in preempted, "prompt_tokens": seq.num_prompt_tokens,
-                        "computed_tokens": seq.num_computed_tokens, "output_tokens": seq.num_output_tokens,
-                        "preemptions": seq.metrics.num_preemptions})
-    return entries, len(finished) + len(live) - len(entries)
+            state = "prefill" if seq.num_computed_tokens < seq.prefill_len else "decode"
+        live.append((rid, state, *scheduled.get(rid, none), rid in preempted, seq.num_prompt_tokens,
+                     seq.num_computed_tokens, len(seq.token_ids) - seq.num_prompt_tokens, seq.metrics.num_preemptions))
+    return (finished, live), len(ended) + len(seqs) - len(finished) - len(live)
+
+
+def _as_dicts(requests) -> list[dict] | None:
+    if requests is None:
+        return None
+    finished, live = requests
+    return ([{"id": r, "state": "finished", "finish_reason": why, "step_tokens": n, "step_prefill": p,
+              "prompt_tokens": prompt, "output_tokens": out, "preemptions": pre, "ttft_s": ttft, "tpot_s": tpot}
+             for r, why, n, p, prompt, out, pre, ttft, tpot in finished]
+            + [{"id": r, "state": state, "step_tokens": n, "step_prefill": p, "preempted": x, "prompt_tokens": prompt,
+                "computed_tokens": computed, "output_tokens": out, "preemptions": pre}
+               for r, state, n, p, x, prompt, computed, out, pre in live])
