@@ -126,3 +126,30 @@ def test_sigterm_ends_the_step_streams_and_the_server_exits_promptly(start_serve
     assert server.proc.wait(60) == 0
     stream.join(10)
     assert stream.ended
+
+
+def test_a_preemption_is_marked_and_followed_by_a_re_prefill(start_server, tiny_llama):
+    # 8 blocks of 16 tokens: two requests of 100 tokens each cannot both stay in the cache
+    server = start_server(tiny_llama, "--num-kv-blocks", "8")
+    body = {"max_tokens": 100, "ignore_eos": True, "temperature": 0}
+    stream = StepStream(server.url, lambda ev: sum(q["state"] == "finished" for e in ev for q in e["requests"]) == 2)
+    with httpx.Client(timeout=120) as c:
+        r = c.post(server.url + "/v1/completions", json={"prompt": ["Once upon a time", "The little dog"], **body})
+    assert r.status_code == 200
+    events = stream.join(120)
+    rid = next(q["id"] for e in events for q in e["requests"] if q["preempted"])
+    mine = entries(events, rid)
+    at = next(i for i, (_, q) in enumerate(mine) if q["preempted"])
+    event, q = mine[at]
+    assert event["step"]["preemptions"] >= 1 and q["state"] == "waiting" and q["computed_tokens"] == 0
+    generated = q["output_tokens"]
+    # back in: its prompt and what it had generated are prefilled again
+    redo = []
+    for x in [x for _, x in mine[at + 1:] if x["step_tokens"]]:
+        if not x["step_prefill"]:
+            break
+        redo.append(x["step_tokens"])
+    assert sum(redo) == q["prompt_tokens"] + generated
+    last = mine[-1][1]
+    assert last["state"] == "finished" and last["output_tokens"] == 100 and last["preemptions"] >= 1
+    server.stop()

@@ -4,8 +4,7 @@
 import { call, errorMessage, fmtMs, sseEvents } from "./api.js";
 import { drawLanes, drawTimeline } from "./charts.js";
 
-const WINDOW = 120;   // steps drawn
-const KEEP = 600;     // steps kept in the page
+const WINDOW = 120;   // steps drawn, and kept
 
 const $ = (id) => document.getElementById(id);
 
@@ -24,7 +23,7 @@ const state = {
 
 export function initEngineView() {
   $("pause").addEventListener("click", () => {
-    state.frozen = state.frozen ? null : visible();
+    state.frozen = state.frozen ? null : [...state.events];
     $("pause").textContent = state.frozen ? "Resume" : "Pause";
     redraw();
   });
@@ -93,7 +92,7 @@ function onStep(e) {
   if (state.lastSeq !== null && e.seq > state.lastSeq + 1) state.skipped += e.seq - state.lastSeq - 1;
   state.lastSeq = e.seq;
   state.events.push(e);
-  if (state.events.length > KEEP) state.events.splice(0, state.events.length - KEEP);
+  if (state.events.length > WINDOW) state.events.splice(0, state.events.length - WINDOW);
   if (e.step) state.stepsSeen++;
   for (const r of e.requests || []) {
     let lane = state.lanes.get(r.id);
@@ -102,15 +101,18 @@ function onStep(e) {
     lane.cells.push([e.seq, cellKind(r), r.step_tokens]);
     if (r.state === "finished") { lane.end = e.seq; lane.reason = r.finish_reason; }
   }
-  // lanes that have scrolled out of everything kept
-  const oldest = state.events[0].seq;
-  for (const [id, lane] of state.lanes) if (lane.last < oldest) state.lanes.delete(id);
+  // what has scrolled out of the window (or the paused view): whole lanes, and old cells of long ones
+  const oldest = (state.frozen && state.frozen.length ? state.frozen : state.events)[0].seq;
+  for (const [id, lane] of state.lanes) {
+    if (lane.last < oldest) state.lanes.delete(id);
+    else while (lane.cells[0][0] < oldest) lane.cells.shift();
+  }
   if (e.step && e.step.decode_tokens > 0) state.waitingForDecode.splice(0).forEach((resolve) => resolve());
   updateCards(e);
   redraw();
 }
 
-function visible() { return state.frozen || state.events.slice(-WINDOW); }
+function visible() { return state.frozen || state.events; }
 
 function updateCards(e) {
   $("running").textContent = e.running;
@@ -118,7 +120,7 @@ function updateCards(e) {
   $("kv").textContent = `${(100 * e.kv_cache_usage).toFixed(1)} %`;
   $("kv-bar").style.width = `${(100 * e.kv_cache_usage).toFixed(1)}%`;
   $("kv-detail").textContent = `${e.kv_total_blocks - e.kv_free_blocks} of ${e.kv_total_blocks} blocks`;
-  const steps = state.events.slice(-WINDOW).filter((x) => x.step);
+  const steps = state.events.filter((x) => x.step);
   if (e.step) $("last-step").textContent = fmtMs(e.step.duration_s);
   const busy = steps.reduce((s, x) => s + x.step.duration_s, 0);
   const pre = steps.reduce((s, x) => s + x.step.prefill_tokens, 0);

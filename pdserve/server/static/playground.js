@@ -65,6 +65,7 @@ async function send() {
   const text = $("input").value;
   if (current || !text.trim()) return;
   let path, body, out, stats;
+  const convo = history;
   if (mode === "chat") {
     const system = $("system").value.trim();
     history.push({ role: "user", content: text });
@@ -76,7 +77,7 @@ async function send() {
     $("messages").append(answer);
     answer.scrollIntoView({ block: "end" });
     path = "/v1/chat/completions";
-    body = { messages: system ? [{ role: "system", content: system }, ...history] : history };
+    body = { messages: system ? [{ role: "system", content: system }, ...history] : [...history] };
     out.parentElement.dataset.state = "streaming";
   } else {
     const box = $("completion-out");
@@ -107,7 +108,7 @@ async function send() {
   answerEl.dataset.state = result.state;
   stats.textContent = describe(result);
   if (result.state === "error") stats.classList.add("error");
-  if (mode === "chat" && body.messages) {
+  if (body.messages && convo === history) {   // (not cleared meanwhile)
     if (result.text) history.push({ role: "assistant", content: result.text });
     else history.pop();   // nothing came back: the question can be asked again
   }
