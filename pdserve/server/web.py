@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.openapi.docs import get_redoc_html
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from pdserve.server.admission import ServerState, get_state
@@ -45,7 +45,9 @@ def engine_config(s: ServerState) -> dict:
             "max_model_len": s.max_model_len, **limits, "ring_size": s.step_events.ring_size}
 
 
-@router.get("/v1/engine/steps")
+@router.get("/v1/engine/steps", response_class=StreamingResponse, responses={200: {
+    "description": "an endless stream: `config`, then one `step` event per engine step",
+    "content": {"text/event-stream": {}}}})
 async def engine_steps(request: Request, history: int = Query(0, ge=0, le=RING_SIZE,
                                                               description="past steps to send first")):
     """Server-sent events: `config` once, then one `step` event per engine step (docs/API.md)."""
