@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "directory's basename)")
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every endpoint except /health, /metrics, "
-                        "/version and the web page / (default: the PDSERVE_API_KEY environment variable; unset = no key)")
+                        "/version, the web page / and the API docs (default: the PDSERVE_API_KEY environment variable; unset = no key)")
     g.add_argument("--max-waiting", type=int, default=256,
                    help="most requests admitted but not yet running; beyond it requests get 503 with "
                         "Retry-After (default: %(default)s)")

@@ -9,10 +9,10 @@ from fastapi.responses import JSONResponse
 
 from pdserve.server.errors import error_body
 
-# Open even with --api-key: probes and scrapers carry no key, and these reveal no data. The web
-# page and its files are open too (a browser cannot send the key to load them); the page asks
-# for the key and sends it with its API calls.
-OPEN_PATHS = {"/health", "/metrics", "/version", "/"}
+# Open even with --api-key: probes and scrapers carry no key, and these reveal no data. So are
+# the web page, the API docs and their files (a browser cannot send the key to load them); the
+# page asks for the key and sends it with its API calls.
+OPEN_PATHS = {"/health", "/metrics", "/version", "/", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
 OPEN_PREFIXES = ("/static/",)
 
 

@@ -65,10 +65,10 @@ def test_every_module_the_page_imports_is_served():
         assert c.get("/static/nope.js").status_code == 404
 
 
-def test_the_page_is_open_with_an_api_key_and_the_step_stream_is_not():
+def test_the_page_and_docs_are_open_with_an_api_key_and_the_step_stream_is_not():
     with client(api_key="k") as c:
-        assert c.get("/").status_code == 200
-        assert c.get("/static/style.css").status_code == 200
+        for path in ("/", "/static/style.css", "/docs", "/redoc", "/openapi.json", "/static/docs/redoc.standalone.js"):
+            assert c.get(path).status_code == 200, path
         r = c.get("/v1/engine/steps")
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 

@@ -38,6 +38,10 @@ export function drawTimeline(canvas, events, window, config, hover) {
   const { x0, width } = columns(w, window, events.length);
   const top = 14, bottom = h - 22, plot = bottom - top;
   const steps = events.filter((e) => e.step);
+  if (!events.length) {
+    ctx.fillStyle = COLORS.text;
+    ctx.fillText("No engine steps yet.", x0, (top + bottom) / 2);
+  }
   const budget = config ? config.max_num_batched_tokens : 0;
   // scaled to the window's busiest step (the budget line is drawn when it is in range)
   const maxTokens = Math.max(8, ...steps.map((e) => e.step.prefill_tokens + e.step.decode_tokens)) * 1.1;

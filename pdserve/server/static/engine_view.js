@@ -153,7 +153,7 @@ function describeStep(e) {
   if (!e) return "No steps yet: send a message, or a demo burst.";
   if (!e.step) return `#${e.seq}: no forward (requests ended by abort) · running ${e.running} · waiting ${e.waiting}`;
   const s = e.step;
-  return `step #${e.seq}: ${s.prefill_tokens} prefill + ${s.decode_tokens} decode tokens, ${s.num_seqs} sequences` +
+  return `step #${e.seq}: ${s.prefill_tokens} prefill + ${s.decode_tokens} decode tokens, ${s.num_seqs} sequence${s.num_seqs === 1 ? "" : "s"}` +
     ` · ${fmtMs(s.duration_s)} (forward ${fmtMs(s.forward_s)})` + (s.preemptions ? ` · ${s.preemptions} preempted` : "") +
     ` · after it: running ${e.running}, waiting ${e.waiting}, KV ${(100 * e.kv_cache_usage).toFixed(1)} %`;
 }
