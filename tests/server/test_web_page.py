@@ -4,6 +4,7 @@ to anywhere but the server refused (the page must work offline).
 
 PDSERVE_SCREENSHOTS=docs/img pytest tests/server/test_web_page.py rewrites the docs' screenshots.
 """
+import json
 import os
 import re
 import shutil
@@ -149,3 +150,25 @@ def test_docs_and_redoc_render_offline(page, page_server, tmp_path):
     page.goto(page_server.url + "/redoc")
     page.wait_for_selector("h1:has-text('pdserve')", timeout=30_000)
     page.get_by_text("/v1/engine/steps").first.wait_for()
+
+
+def test_an_answer_shows_the_cached_prompt_tokens_the_server_reports(page, page_server):
+    # pdserve reports usage.prompt_tokens_details.cached_tokens once it caches prefixes; the page
+    # shows it whenever it is there: a stream that carries it, as the browser would receive it
+    chunks = [{"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+              {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},
+              {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "stop",
+                                                "metrics": {"ttft_s": 0.0125, "tpot_s": 0.004}}]},
+              {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 2,
+                                                            "total_tokens": 22,
+                                                            "prompt_tokens_details": {"cached_tokens": 16}}}]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda r: r.fulfill(status=200, body=body,
+                                                             headers={"Content-Type": "text/event-stream"}))
+    page.goto(page_server.url + "/")
+    page.fill("#input", "Hello")
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant[data-state=done]")
+    assert page.text_content(".msg.assistant .content") == "Hi!"
+    assert page.text_content(".msg.assistant .answer-stats") == \
+        "TTFT 12.5 ms · TPOT 4.00 ms · 2 tokens · prompt 20 (16 cached) · stop"
