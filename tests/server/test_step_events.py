@@ -69,6 +69,7 @@ def test_one_event_per_step_with_the_request_through_its_phases(server):
     stream = StepStream(server.url, finished("cmpl-"))
     assert stream.config["max_num_batched_tokens"] == 512 and stream.config["max_model_len"] == 1024
     assert stream.config["ring_size"] >= 1 and stream.config["backend"] == "engine"
+    assert None not in stream.config.values()   # every limit read from the engine's config
     r = httpx.post(server.url + "/v1/completions", timeout=60,
                    json={"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0})
     assert r.status_code == 200

@@ -122,7 +122,7 @@ export function drawTimeline(canvas, events, window, config, hover) {
 
 function fmt(seconds) {
   const ms = seconds * 1000;
-  return ms >= 10 ? `${ms.toFixed(0)} ms` : `${ms.toFixed(1)} ms`;
+  return ms >= 1000 ? `${seconds.toFixed(1)} s` : ms >= 10 ? `${ms.toFixed(0)} ms` : `${ms.toFixed(1)} ms`;
 }
 
 // "chatcmpl-1f0c…-0" -> "chat 1f0c·0": the endpoint, the id's first characters, the choice.
