@@ -76,5 +76,6 @@ function parseBlock(block) {
 export function fmtMs(seconds) {
   if (seconds === null || seconds === undefined || !isFinite(seconds)) return "–";
   const ms = seconds * 1000;
+  if (ms >= 1000) return `${seconds.toFixed(2)} s`;
   return ms >= 100 ? `${ms.toFixed(0)} ms` : ms >= 10 ? `${ms.toFixed(1)} ms` : `${ms.toFixed(2)} ms`;
 }
