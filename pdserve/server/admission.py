@@ -14,6 +14,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.server.async_engine import AsyncEngine, EngineThread, Submission
 from pdserve.server.errors import APIError, Overloaded
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.step_events import StepEvents
 
 
 @dataclass
@@ -48,8 +49,9 @@ class ServerState:
         self.config = config
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(config.step_log, config.served_model_name)
+        self.step_events = StepEvents()
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
-                                        engine_thread)
+                                        engine_thread, self.step_events)
         self.created = int(time.time())
         self.version = __version__
         # A prompt longer than this many characters has more tokens than the cap (Tokenizer.max_token_chars):

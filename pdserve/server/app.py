@@ -3,8 +3,9 @@ import contextlib
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi_offline import FastAPIOffline
 
-from pdserve.server import openai_api, origin_api, utility_api
+from pdserve.server import openai_api, origin_api, utility_api, web
 from pdserve.server.async_engine import EngineThread
 from pdserve.server.errors import install_error_handlers
 from pdserve.server.middleware import (APIKeyMiddleware, BodyMiddleware, HostCheckMiddleware,
@@ -24,10 +25,13 @@ def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None =
         state.async_engine.stop()
         state.close()
 
-    app = FastAPI(title="pdserve", version=state.version, lifespan=lifespan)
+    # FastAPIOffline: /docs loads Swagger UI from this server, not a CDN (web.py serves /redoc).
+    app = FastAPIOffline(title="pdserve", version=state.version, lifespan=lifespan, static_url="/static/docs",
+                         redoc_url=None)
     app.state.pdserve = state
     for module in (openai_api, origin_api, utility_api):
         app.include_router(module.router)
+    web.install(app)   # the page at / and /v1/engine/steps
     install_error_handlers(app)
     install_openapi(app, state)
     # The last added runs first: the Host, then CORS (a preflight carries no key), the key, the body.

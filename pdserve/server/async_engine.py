@@ -144,12 +144,13 @@ class Submission:
 
 class AsyncEngine:
     def __init__(self, engine, max_waiting: int, metrics=None, request_timeout: float | None = None,
-                 thread: EngineThread | None = None):
+                 thread: EngineThread | None = None, step_events=None):
         self.engine = engine
         self.thread = thread           # the one that built the engine; start() makes one if None
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout   # seconds from arrival; None = no limit
         self.metrics = metrics
+        self.step_events = step_events   # StepEvents: /v1/engine/steps
         self.accepting = True          # False once shutdown began: new requests get 503
         self.error: BaseException | None = None
         self._commands: collections.deque = collections.deque()  # loop thread appends, engine thread pops
@@ -172,6 +173,8 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.step_events is not None:
+            self.step_events.start(self._loop)
         if self.thread is None:
             self.thread = EngineThread()
         self._running = self.thread.submit(self._run)
@@ -180,6 +183,8 @@ class AsyncEngine:
         self.accepting = False
         self._stopping = True
         self._wake.set()
+        if self.step_events is not None:
+            self.step_events.close()
         if self._running is not None:
             wait([self._running], timeout)
         self._fail_all(EngineDead("the server stopped"))
@@ -270,6 +275,8 @@ class AsyncEngine:
                 self._record(stats)
                 if self.metrics is not None:
                     self.metrics.record_step(self.engine.last_step, stats, outputs)
+                if self.step_events is not None:
+                    self.step_events.publish(self.engine, stats, outputs)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as e:

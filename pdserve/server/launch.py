@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model name clients send and /v1/models lists (default: the checkpoint "
                         "directory's basename)")
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every endpoint except /health, /metrics and "
-                        "/version (default: the PDSERVE_API_KEY environment variable; unset = no key)")
+                   help="require `Authorization: Bearer KEY` on every endpoint except /health, /metrics, "
+                        "/version, the web page / and the API docs (default: the PDSERVE_API_KEY environment "
+                        "variable; unset = no key)")
     g.add_argument("--max-waiting", type=_at_least(0), default=256,
                    help="most requests admitted beyond the free seats (--max-num-seqs); beyond it requests get "
                         "503 with Retry-After (default: %(default)s)")
@@ -173,6 +174,8 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig, frame):
         self.async_engine.accepting = False
+        if self.async_engine.step_events is not None:   # endless streams would hold the shutdown up
+            self.async_engine.step_events.close()
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None):

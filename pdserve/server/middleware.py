@@ -16,8 +16,11 @@ from pdserve.server.errors import error_body
 
 log = logging.getLogger("pdserve.server")
 
-# Open even with --api-key: probes and scrapers carry no key, and these reveal no data.
-OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json"}
+# Open even with --api-key: probes and scrapers carry no key, and these reveal no data. So are
+# the web page, the API docs and their files (a browser cannot send the key to load them); the
+# page asks for the key and sends it with its API calls.
+OPEN_PATHS = {"/health", "/metrics", "/version", "/", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+OPEN_PREFIXES = ("/static/",)
 
 
 async def _refuse(scope, receive, send, status: int, message: str, code: str, param: str | None = None,
@@ -63,7 +66,8 @@ class APIKeyMiddleware:
         self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        path = scope.get("path", "")   # (a lifespan scope has none)
+        if scope["type"] == "http" and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             given = _headers(scope, b"authorization")
             if len(given) > 1:   # which one a proxy or the server would read is ambiguous: neither
                 await _refuse(scope, receive, send, 400, "send one Authorization header, not several",
