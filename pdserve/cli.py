@@ -3,7 +3,8 @@ this file only wires them up (imports are lazy so `pdserve --help` stays fast)."
 import argparse
 import sys
 
-from pdserve.errors import CheckpointError, RequestError
+from pdserve import __version__
+from pdserve.errors import CheckpointError, ConfigError, RequestError
 
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args).
 COMMANDS = {
@@ -13,13 +14,23 @@ COMMANDS = {
     "report": ("pdserve.bench.report", "plot benchmark results and engine step logs"),
     "roofline": ("pdserve.bench.roofline", "measure this machine's limits and the model's phases against them"),
 }
+# Errors a user can act on: printed as one line, exit status 2. OSError: a file that is not there.
+USER_ERRORS = (CheckpointError, ConfigError, RequestError, OSError)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument gets one line and a pointer to --help, not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     import importlib
 
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: an LLM serving engine")
+    parser = Parser(prog="pdserve", description="pdserve: an LLM serving engine")
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Only import the module of the command being run; the others just get a help line.
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -31,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return importlib.import_module(args._module).run(args) or 0
-    except (CheckpointError, RequestError) as e:
-        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+    except USER_ERRORS as e:
+        message = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename and e.strerror else e
+        print(f"pdserve {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

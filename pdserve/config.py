@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.checkpoint_files import checkpoint_file
-from pdserve.errors import CheckpointError
+from pdserve.errors import CheckpointError, ConfigError
 
 
 @dataclass
@@ -98,60 +98,85 @@ class ModelConfig:
         return float(self.raw.get("rms_norm_eps", 1e-6))
 
 
+def option(default, help: str, **argparse_kwargs):
+    """A config field that is also a command-line flag (--field-name), its help shown by --help:
+    pdserve/engine/args.py generates the flags from these. `min` bounds an integer from below
+    (`note` is added to that error)."""
+    return field(default=default, metadata=dict(help=help, **argparse_kwargs))
+
+
 @dataclass
 class EngineConfig:
     model: str
-    dtype: str = "auto"
-    device: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
+    dtype: str = option("auto", "weight and activation dtype; auto = the checkpoint's torch_dtype on GPU, float32 "
+                        "on CPU (equal to transformers; bfloat16 is faster on CPUs with AVX512-BF16)",
+                        choices=["auto", "float32", "bfloat16", "float16"])
+    device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu)")
+    block_size: int = option(16, "tokens per KV-cache block", min=1)
+    num_kv_blocks: int | None = option(None, "number of KV-cache blocks (overrides --kv-cache-memory)", min=1)
+    kv_cache_memory: int | None = option(None, "bytes of memory for the KV cache (default: enough for "
+                                         "max-num-seqs full-length sequences, capped at 4 GiB)", min=1)
+    max_num_batched_tokens: int = option(512, "token budget of one engine step (prefill chunks + decodes)", min=1)
+    max_num_seqs: int = option(64, "most sequences in one engine step", min=1)
     # In a step that also decodes, at most this many prefill tokens in all (0: no cap; a step
     # without decodes still takes max_num_batched_tokens). Keeps running streams' ITL steady at a
     # cost in throughput and queued TTFT, so it is off by default (docs/PERFORMANCE.md).
-    max_prefill_tokens_with_decodes: int = 0
-    max_model_len: int | None = None
-    seed: int = 0
-    quantization: str | None = None     # "int8": weight-only int8 linears (CPU packed kernel)
-    cpu_kernels: bool | None = None     # pdserve/kernels on CPU; None = use them where they build
-    profile_steps: int | None = None    # keep per-step phase timings; log a summary every N steps (0: never)
-    scheduling_policy: str = "fcfs"     # fcfs, priority or slo (pdserve/engine/policy.py)
-    slo_ttft_ms: float | None = None    # objectives of requests that give none
-    slo_tpot_ms: float | None = None
-    slo_admission: str = "serve"        # slo policy: "reject" refuses a request whose TTFT target cannot be met
+    max_prefill_tokens_with_decodes: int = option(
+        0, "in a step that also decodes, at most N prefill tokens in all, so a long prompt does not stall running "
+        "streams (a step without decodes still takes the whole --max-num-batched-tokens); 0 = no cap",
+        min=0, note=" (0 = no cap)", metavar="N")
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's "
+                                       "max_position_embeddings)", min=1)
+    seed: int = option(0, "seed for requests that give none")
+    quantization: str | None = option(None, "weight-only int8 linears (per-channel scales; CPU kernels only)",
+                                      choices=["int8"])
+    cpu_kernels: bool | None = option(None, "CPU: linears, attention, norms and rotary on pdserve's own kernels "
+                                      "(default: where they build); --no-cpu-kernels uses torch's ops")
+    profile_steps: int | None = option(None, "log where engine steps spend their time (schedule, prepare, "
+                                       "forward, sample, output) every N steps", min=0, metavar="N")
+    scheduling_policy: str = option("fcfs", "fcfs: arrival order; priority: by each request's priority (lower "
+                                    "first), a waiting request may preempt lower-priority running ones; slo: "
+                                    "prefills by TTFT slack, a step's prefill tokens sized to keep the tightest "
+                                    "TPOT target, by a step-time model calibrated at start-up (seconds) and "
+                                    "refitted from measured steps (docs/API.md)",
+                                    choices=["fcfs", "priority", "slo"])
+    slo_ttft_ms: float | None = option(None, "TTFT target (ms) of requests that give no slo.ttft_ms (default: none)", metavar="MS")
+    slo_tpot_ms: float | None = option(None, "TPOT target (ms) of requests that give no slo.tpot_ms (default: none)", metavar="MS")
+    slo_admission: str = option("serve", "slo policy: reject refuses at once (503 slo_unattainable) a request "
+                                "whose TTFT target the step-time model says cannot be met; serve queues it anyway",
+                                choices=["serve", "reject"])
 
     def __post_init__(self):
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device cuda was asked for but torch sees no CUDA device")
+            raise ConfigError("device cuda was asked for but torch sees no CUDA device")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not isinstance(self.max_prefill_tokens_with_decodes, int) or self.max_prefill_tokens_with_decodes < 0:
-            raise ValueError(f"max_prefill_tokens_with_decodes must be >= 0 (0 = no cap), "
+            raise ConfigError(f"max_prefill_tokens_with_decodes must be >= 0 (0 = no cap), "
                              f"got {self.max_prefill_tokens_with_decodes!r}")
         if self.scheduling_policy not in ("fcfs", "priority", "slo"):
-            raise ValueError(f"scheduling_policy must be fcfs, priority or slo, got {self.scheduling_policy!r}")
+            raise ConfigError(f"scheduling_policy must be fcfs, priority or slo, got {self.scheduling_policy!r}")
         if self.slo_admission not in ("serve", "reject"):
-            raise ValueError(f"slo_admission must be serve or reject, got {self.slo_admission!r}")
+            raise ConfigError(f"slo_admission must be serve or reject, got {self.slo_admission!r}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 milliseconds, got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if v is not None and not 0 < v < float("inf"):
+                raise ConfigError(f"{name} must be a number of milliseconds > 0, got {v!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+            raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
         if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
+            raise ConfigError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if self.quantization and (self.device != "cpu" or self.cpu_kernels is False):
-            raise ValueError("--quantization int8 runs on pdserve's CPU linear kernel: it needs --device cpu "
+            raise ConfigError("--quantization int8 runs on pdserve's CPU linear kernel: it needs --device cpu "
                              "and --cpu-kernels")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in every step, or some would stall

@@ -95,6 +95,7 @@ class Tokenizer:
         # transformers' legacy cleanup, which it only applies to non-BPE tokenizers
         self._cleanup = self.clean_up_spaces and type(backend.model).__name__ != "BPE"
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._max_token_chars: int | None = None
         self.bos_token_id = self.token_to_id(self.special_tokens["bos_token"])
         self.pad_token_id = self.token_to_id(self.special_tokens["pad_token"])
         self.unk_token_id = self.token_to_id(self.special_tokens["unk_token"])
@@ -128,7 +129,18 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # tokenizer.json's post-processor decides which BOS/EOS are added: transformers 5 ignores
         # add_bos_token/add_eos_token in tokenizer_config.json whenever tokenizer.json exists.
+        if len(text) > 4096:   # encode_batch releases the GIL while it works; encode holds it
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: a text of c characters has at least
+        c / max_token_chars tokens (vocabulary entries are byte-level or SentencePiece strings
+        at least as long as the text they decode to)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
+        return self._max_token_chars
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # The backend silently drops ids it does not know (as transformers does); negative ids would overflow.

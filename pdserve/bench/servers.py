@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,12 +31,14 @@ def log_tail(path: str, lines: int = 15) -> str:
 
 
 def scrape_metrics(base_url: str) -> dict[str, float]:
-    """The /metrics samples as {'name{labels}': value}."""
+    """The /metrics samples as {'name{labels}': value}, without the model_name label every
+    pdserve series carries (one server serves one model): 'pdserve:num_requests_running'."""
     samples = {}
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
             if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
+                name = re.sub(r'(?<=\{)model_name="[^"]*",?|,model_name="[^"]*"', "", name).replace("{}", "")
                 samples[name] = float(value)
     return samples
 

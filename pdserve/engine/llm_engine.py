@@ -46,6 +46,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.last_step: StepStats | None = None
+        self.last_schedule: SchedulerOutput | None = None   # the step's per-request tokens, for the live view
         self.profiler = StepProfiler(self.config.profile_steps) if self.config.profile_steps is not None else None
         # Fault injection, for tests only: called with each step's SchedulerOutput before the
         # forward. An Exception it raises fails that step's requests like a real failure; a
@@ -130,6 +131,7 @@ class LLMEngine:
         phases["output"] = end - start - sum(phases.values())
         self.last_step = StepStats(start, end - start, len(sched.seqs), sched.num_prefill_tokens,
                                    sched.num_decode_tokens, len(sched.preempted), self.runner.last_forward_time, phases)
+        self.last_schedule = sched
         if self.profiler is not None:
             self.profiler.add(self.last_step)
         return outputs

@@ -2,12 +2,16 @@
 import contextlib
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi_offline import FastAPIOffline
 
-from pdserve.server import openai_api, origin_api, utility_api
+from pdserve.server import openai_api, origin_api, utility_api, web
 from pdserve.server.async_engine import EngineThread
 from pdserve.server.errors import install_error_handlers
-from pdserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
-from pdserve.server.state import ServerConfig, ServerState
+from pdserve.server.middleware import (APIKeyMiddleware, BodyMiddleware, HostCheckMiddleware,
+                                       InternalErrorMiddleware)
+from pdserve.server.openapi import install_openapi
+from pdserve.server.admission import ServerConfig, ServerState
 
 
 def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:
@@ -19,15 +23,25 @@ def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None =
         state.async_engine.start()   # needs the running event loop
         yield
         state.async_engine.stop()
+        state.close()
 
-    # strict_content_type=False: a JSON body without a Content-Type header is still JSON.
-    app = FastAPI(title="pdserve", lifespan=lifespan, strict_content_type=False)
+    # FastAPIOffline: /docs loads Swagger UI from this server, not a CDN (web.py serves /redoc).
+    app = FastAPIOffline(title="pdserve", version=state.version, lifespan=lifespan, static_url="/static/docs",
+                         redoc_url=None)
     app.state.pdserve = state
     for module in (openai_api, origin_api, utility_api):
         app.include_router(module.router)
+    web.install(app)   # the page at / and /v1/engine/steps
     install_error_handlers(app)
-    # The last added runs first: the key is checked before any body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    install_openapi(app, state)
+    # The last added runs first: the Host, then CORS (a preflight carries no key), the key, the body.
+    app.add_middleware(InternalErrorMiddleware)
+    app.add_middleware(BodyMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=config.cors_methods,
+                           allow_headers=config.cors_headers, allow_credentials=config.cors_credentials)
+    if config.allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=config.allowed_hosts)
     return app

@@ -144,22 +144,27 @@ class Submission:
 
 class AsyncEngine:
     def __init__(self, engine, max_waiting: int, metrics=None, request_timeout: float | None = None,
-                 thread: EngineThread | None = None):
+                 thread: EngineThread | None = None, step_events=None):
         self.engine = engine
         self.thread = thread           # the one that built the engine; start() makes one if None
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout   # seconds from arrival; None = no limit
         self.metrics = metrics
+        self.step_events = step_events   # StepEvents: /v1/engine/steps
         self.accepting = True          # False once shutdown began: new requests get 503
         self.error: BaseException | None = None
         self._commands: collections.deque = collections.deque()  # loop thread appends, engine thread pops
         self._wake = threading.Event()
         self._stopping = False
-        # Requests posted but not yet handed to the engine, plus the engine's own waiting queue:
-        # together they are what --max-waiting bounds. Written by both threads, so under a lock.
+        # What admission counts: requests posted but not yet handed to the engine, and the engine's
+        # own waiting and running ones, updated as soon as the engine thread changes them (after
+        # each drain and step, before the step's outputs reach the handlers). Written by both
+        # threads, so under a lock.
         self._lock = threading.Lock()
         self._num_posted = 0
         self._num_engine_waiting = 0
+        self._num_engine_running = 0
+        self.max_num_seqs = _max_num_seqs(engine)
         self._subs: dict[str, Submission] = {}   # request id -> its Submission; loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: Future | None = None   # the engine loop, on self.thread
@@ -168,6 +173,8 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.step_events is not None:
+            self.step_events.start(self._loop)
         if self.thread is None:
             self.thread = EngineThread()
         self._running = self.thread.submit(self._run)
@@ -176,6 +183,8 @@ class AsyncEngine:
         self.accepting = False
         self._stopping = True
         self._wake.set()
+        if self.step_events is not None:
+            self.step_events.close()
         if self._running is not None:
             wait([self._running], timeout)
         self._fail_all(EngineDead("the server stopped"))
@@ -196,6 +205,17 @@ class AsyncEngine:
         with self._lock:
             return self._num_posted + self._num_engine_waiting
 
+    def has_room(self, num_seqs: int) -> bool:
+        """Whether `num_seqs` more requests fit: --max-waiting waiting slots plus the seats the next
+        step will fill. Counting the seats is what lets as many clients as seats be served
+        without ever being refused: a request posted into a free seat never waits."""
+        with self._lock:
+            return self._has_room(num_seqs)
+
+    def _has_room(self, num_seqs: int) -> bool:
+        free_seats = max(0, self.max_num_seqs - self._num_engine_running)
+        return self._num_posted + self._num_engine_waiting + num_seqs <= self.max_waiting + free_seats
+
     # ---- the handlers' side
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str],
@@ -210,8 +230,8 @@ class AsyncEngine:
         if not self.accepting:
             raise Overloaded("the server is shutting down", code="shutting_down")
         with self._lock:
-            waiting = self._num_posted + self._num_engine_waiting
-            if waiting + len(request_ids) > self.max_waiting:
+            if not self._has_room(len(request_ids)):
+                waiting = self._num_posted + self._num_engine_waiting
                 raise Overloaded(f"too many requests waiting ({waiting}, --max-waiting {self.max_waiting}); "
                                  "retry later")
             self._num_posted += len(request_ids)
@@ -252,10 +272,11 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 stats = self.engine.get_stats()
-                with self._lock:
-                    self._num_engine_waiting = stats.num_waiting
+                self._record(stats)
                 if self.metrics is not None:
                     self.metrics.record_step(self.engine.last_step, stats, outputs)
+                if self.step_events is not None:
+                    self.step_events.publish(self.engine, stats, outputs)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as e:
@@ -282,11 +303,14 @@ class AsyncEngine:
                     self.engine.abort_request(rid)
                 if not isinstance(e, RequestError):
                     log.exception("add_request failed")
-            stats = self.engine.get_stats()
-            with self._lock:
-                self._num_posted -= len(items)
-                self._num_engine_waiting = stats.num_waiting
+            self._record(self.engine.get_stats(), handed_over=len(items))
             self._loop.call_soon_threadsafe(_resolve, admitted, error)
+
+    def _record(self, stats, handed_over: int = 0) -> None:
+        with self._lock:
+            self._num_posted -= handed_over
+            self._num_engine_waiting = stats.num_waiting
+            self._num_engine_running = stats.num_running
 
     # ---- back on the event loop
 
@@ -304,6 +328,12 @@ class AsyncEngine:
             command = self._commands.popleft()
             if command[0] == "add":
                 _resolve(command[3], error)
+
+
+def _max_num_seqs(engine) -> int:
+    """The engine's seats (LLMEngine keeps them in its config; the baselines and test fakes as an attribute)."""
+    seats = getattr(engine, "max_num_seqs", None) or getattr(getattr(engine, "config", None), "max_num_seqs", None)
+    return seats or 0
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

@@ -2,19 +2,15 @@
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | int | null}}
 
-FastAPI's own 422 for a body that fails validation becomes a 400 that names the field.
+FastAPI's own 422 for a body that fails validation becomes a 400 that names the field; any
+other exception becomes a 500 in middleware.InternalErrorMiddleware.
 """
-import logging
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from pdserve.errors import RequestError, SLOUnattainable
-
-log = logging.getLogger("pdserve.server")
-
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -33,6 +29,10 @@ class Overloaded(APIError):
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
+    # a message quoting the client's text must still encode as UTF-8 (a lone surrogate would not)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -88,8 +88,3 @@ def install_error_handlers(app: FastAPI) -> None:
         type = "invalid_request_error" if e.status_code < 500 else "server_error"
         return error_response(APIError(e.status_code, str(e.detail), type=type, code=e.status_code,
                                        headers=getattr(e, "headers", None)))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
-        log.exception("internal error on %s", request.url.path)
-        return error_response(APIError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error"))

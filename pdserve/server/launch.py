@@ -7,38 +7,66 @@ says so, the listening socket closes), lets running requests finish for up to
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
+import socket
 
 import uvicorn
 
-from pdserve.engine.args import add_engine_args, engine_kwargs
+from pdserve.engine.args import DEFAULT_MODEL, add_engine_args, check_engine_args, engine_kwargs
+from pdserve.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", nargs="?", metavar="MODEL",
+                        help="HF-format checkpoint directory, as vLLM takes it (the same as --model)")
     add_engine_args(parser)
     b = parser.add_argument_group("backend (docs/BACKENDS.md)")
     b.add_argument("--backend", default="engine", choices=["engine", "hf", "static", "nocache"],
                    help="engine: continuous batching over the paged KV cache (default); the origin's paths as "
                         "baselines: hf = one transformers generate() per request, static = static batches "
                         "of --batch-size, nocache = a token loop re-running the whole sequence without a KV cache")
-    b.add_argument("--batch-size", type=int, default=4, help="static backend: requests per batch (default: 4)")
-    b.add_argument("--batch-wait-ms", type=float, default=0.0,
+    b.add_argument("--batch-size", type=_at_least(1), default=4, help="static backend: requests per batch (default: 4)")
+    b.add_argument("--batch-wait-ms", type=_number_at_least(0), default=0.0,
                    help="static backend: longest wait for a batch to fill (default: 0)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default: %(default)s, loopback only; 0.0.0.0 for every interface)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    g.add_argument("--port", type=_at_least(0, 65535), default=8000,
+                   help="TCP port, bound before the model loads (default: %(default)s)")
+    g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="Host header names accepted; others get 400, so a web page that points its own DNS "
+                        "name at this server cannot use it ('*' = any; default: the --host address and "
+                        "localhost names, or any when --host is 0.0.0.0 or ::)")
+    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="web origins allowed to call the API from a browser (CORS), e.g. "
+                        "https://app.example.com or '*' (default: none, no CORS headers)")
+    g.add_argument("--allowed-methods", nargs="+", default=["GET", "POST"], metavar="METHOD",
+                   help="CORS: methods allowed (default: GET POST)")
+    g.add_argument("--allowed-headers", nargs="+", default=["Authorization", "Content-Type"], metavar="HEADER",
+                   help="CORS: request headers allowed (default: Authorization Content-Type)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow cookies and HTTP authentication (default: off)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the checkpoint "
                         "directory's basename)")
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every endpoint except /health, /metrics and "
-                        "/version (default: the PDSERVE_API_KEY environment variable; unset = no key)")
-    g.add_argument("--max-waiting", type=int, default=256,
-                   help="most requests admitted but not yet running; beyond it requests get 503 with "
-                        "Retry-After (default: %(default)s)")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="require `Authorization: Bearer KEY` on every endpoint except /health, /metrics, "
+                        "/version, the web page / and the API docs (default: the PDSERVE_API_KEY environment "
+                        "variable; unset = no key)")
+    g.add_argument("--max-waiting", type=_at_least(0), default=256,
+                   help="most requests admitted beyond the free seats (--max-num-seqs); beyond it requests get "
+                        "503 with Retry-After (default: %(default)s)")
+    g.add_argument("--max-connections", type=_at_least(1), default=1000,
+                   help="most open connections; a new one beyond gets 503 and is closed (default: %(default)s)")
+    g.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="a request's headers must arrive within this, or the connection is closed "
+                        "(slow clients; default: %(default)s)")
+    g.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="a request's body must arrive within this after its headers, or the connection is "
+                        "closed (default: %(default)s)")
+    g.add_argument("--max-body-bytes", type=_at_least(1), default=1 << 20,
                    help="largest request body; larger ones get 413 (default: %(default)s = 1 MiB)")
     g.add_argument("--max-stop-strings", type=_at_least(0), default=16,
                    help="most stop strings one request may give (default: %(default)s)")
@@ -52,10 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=_at_least(1), default=64, help="most choices (n) per request (default: %(default)s)")
     g.add_argument("--max-logprobs", type=_at_least(0, 20), default=20,
                    help="most logprobs / top_logprobs per token, at most 20 (default: %(default)s)")
+    g.add_argument("--max-request-cost", type=_at_least(1), default=1 << 17,
+                   help="most token entries one request may make the server generate and send: prompts x n x "
+                        "max_tokens x (1 + logprobs); over it a request gets 400, and defaults are lowered to "
+                        "fit (default: %(default)s)")
     g.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="abort a request still unfinished this long after it arrived and free its KV blocks; "
                         "the client gets 504 request_timeout, or an error event in a stream (default: none)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+    g.add_argument("--shutdown-timeout", type=_number_at_least(0), default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted "
                         "(default: %(default)s)")
     g.add_argument("--step-log", default=None, metavar="FILE",
@@ -68,7 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _at_least(low: int, high: int | None = None):
     """An argparse type: an integer >= low (and <= high)."""
     def parse(text: str) -> int:
-        v = int(text)
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
         if v < low or (high is not None and v > high):
             bound = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {v}")
@@ -76,20 +111,52 @@ def _at_least(low: int, high: int | None = None):
     return parse
 
 
+def _number_at_least(low: float):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not v >= low or math.isinf(v):
+            raise argparse.ArgumentTypeError(f"must be a number >= {low:g}, got {text!r}")
+        return v
+    return parse
+
+
 def _seconds(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 < v < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return v
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# Names that always reach a server bound to loopback, whatever --host says.
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """--allowed-hosts, or its default; None means any Host."""
+    if args.allowed_hosts is not None:
+        return None if "*" in args.allowed_hosts else args.allowed_hosts
+    if args.host in WILDCARD_HOSTS:   # every interface: names this machine goes by are not known here
+        return None
+    return list(dict.fromkeys([args.host, *LOCAL_HOSTS]))
+
+
 def server_config(args: argparse.Namespace, model_name: str):
-    from pdserve.server.state import ServerConfig
+    from pdserve.server.admission import ServerConfig
     return ServerConfig(served_model_name=args.served_model_name or model_name, max_waiting=args.max_waiting,
                         max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
                         max_stop_length=args.max_stop_length, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_cap=args.max_tokens_cap, max_n=args.max_n, max_logprobs=args.max_logprobs,
-                        request_timeout=args.request_timeout, api_key=args.api_key or None, step_log=args.step_log)
+                        request_timeout=args.request_timeout, api_key=args.api_key or None, step_log=args.step_log,
+                        max_request_cost=args.max_request_cost, allowed_hosts=allowed_hosts(args),
+                        cors_origins=args.allowed_origins, cors_methods=args.allowed_methods,
+                        cors_headers=args.allowed_headers, cors_credentials=args.allow_credentials)
 
 
 class _Server(uvicorn.Server):
@@ -107,6 +174,8 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig, frame):
         self.async_engine.accepting = False
+        if self.async_engine.step_events is not None:   # endless streams would hold the shutdown up
+            self.async_engine.step_events.close()
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None):
@@ -133,21 +202,68 @@ def build_engine(args: argparse.Namespace):
     return thread.call(cls, **engine_kwargs(args), **extra), thread
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a taken port is reported at once."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """`pdserve serve DIR` (vLLM's habit) and `--model DIR` are the same."""
+    if args.model_dir is not None:
+        if args.model not in (DEFAULT_MODEL, args.model_dir):
+            raise ConfigError(f"two models given: {args.model_dir} and --model {args.model}")
+        args.model = args.model_dir
+
+
+def capacity(engine, args: argparse.Namespace) -> str:
+    """One line on what this server can hold, for the startup log."""
+    import resource
+
+    import torch
+    runner = getattr(engine, "runner", None)
+    if runner is None:   # a baseline backend
+        return f"backend {args.backend}, max_model_len {engine.max_model_len}"
+    tokens = runner.num_blocks * runner.block_size
+    kernels = {"torch": "torch ops"}.get(runner.weight_format, f"pdserve CPU kernels ({runner.weight_format} "
+                                         f"linears{', attention' if runner.attention_kernels else ''})")
+    if runner.device.type == "cuda":
+        memory = f"{torch.cuda.memory_allocated(runner.device) / 2**30:.2f} GiB on the GPU"
+    else:   # ru_maxrss is in KiB on Linux
+        memory = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
+    return (f"dtype {str(runner.dtype).removeprefix('torch.')} on {runner.device}, {kernels}, "
+            f"{torch.get_num_threads()} threads; KV cache {runner.num_blocks} blocks x {runner.block_size} = "
+            f"{tokens} tokens: {tokens // engine.max_model_len} sequences at the full {engine.max_model_len} "
+            f"tokens (--max-num-seqs {engine.config.max_num_seqs}); memory {memory}")
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.server.app import build_app
+    from pdserve.server.connections import guarded_protocol
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    resolve_model(args)
+    sock = bind(args.host, args.port)
+    check_engine_args(args)
     engine, engine_thread = build_engine(args)
     config = server_config(args, engine.model_name)
     app = build_app(engine, config, engine_thread)
 
-    server = _Server(app, app.state.pdserve.async_engine, args.shutdown_timeout, host=args.host, port=args.port,
+    protocol = guarded_protocol(args.header_timeout, args.body_timeout, args.max_connections)
+    server = _Server(app, app.state.pdserve.async_engine, args.shutdown_timeout, http=protocol,
                      log_level=args.log_level)
     # uvicorn re-raises the signal after its graceful shutdown, under the handlers that were there
     # before it; with these the re-raise is a no-op and we exit 0 instead of dying of SIGTERM.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    logging.getLogger("pdserve.server").info("serving %s on http://%s:%d", config.served_model_name,
-                                             args.host, args.port)
-    server.run()
+    log = logging.getLogger("pdserve.server")
+    log.info("model %s: %s", config.served_model_name, capacity(engine, args))
+    log.info("serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
+    server.run(sockets=[sock])
     return 0 if server.started else 1

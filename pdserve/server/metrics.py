@@ -8,7 +8,8 @@ gauges from engine.get_stats(). prometheus_client is thread-safe.
 import dataclasses
 import json
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
 
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
 from pdserve.kernels import pool_cached_bytes
@@ -20,23 +21,28 @@ TOKEN_BUCKETS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 819
 SEQ_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# No `_created` series beside every counter and histogram (process-wide, as vLLM does).
+disable_created_metrics()
 
 
 class ServerMetrics:
-    def __init__(self, step_log: str | None = None):
+    def __init__(self, step_log: str | None = None, model_name: str = "pdserve"):
         self.registry = r = CollectorRegistry()
         self._last_step: StepStats | None = None
         # line-buffered: a crash or SIGKILL still leaves every finished step on disk
         self._step_log = open(step_log, "a", buffering=1) if step_log else None
+        self.model_name = model_name
 
+        # every series carries vLLM's model_name label, so dashboards built for vLLM work
         def hist(name, doc, buckets):
-            return Histogram(f"pdserve:{name}", doc, buckets=buckets, registry=r)
+            return Histogram(f"pdserve:{name}", doc, ["model_name"], buckets=buckets, registry=r).labels(model_name)
 
         def counter(name, doc, labels=()):
-            return Counter(f"pdserve:{name}", doc, labels, registry=r)
+            c = Counter(f"pdserve:{name}", doc, ["model_name", *labels], registry=r)
+            return c if labels else c.labels(model_name)
 
         def gauge(name, doc):
-            return Gauge(f"pdserve:{name}", doc, registry=r)
+            return Gauge(f"pdserve:{name}", doc, ["model_name"], registry=r).labels(model_name)
 
         # per request, observed when it finishes
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", LATENCY_BUCKETS)
@@ -91,7 +97,7 @@ class ServerMetrics:
 
     def record_finished(self, out: RequestOutput) -> None:
         m = out.metrics
-        self.success.labels(out.finish_reason or "unknown").inc()
+        self.success.labels(self.model_name, out.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(len(out.token_ids))
         for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e),

@@ -4,21 +4,24 @@ One HTTP request becomes len(prompts) x n engine requests; choice i of the respo
 engine request `{id}-{i}`. Each choice carries its phase timings as the extension field
 "metrics" (RequestMetrics.as_dict()), in the response or in the stream chunk that ends it.
 """
+import json
 import math
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import RequestError
 from pdserve.server.errors import APIError, error_body
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.server.state import ServerState, get_state
+from pdserve.server.admission import ServerState, get_state
 from pdserve.server.streaming import DONE, sse, sse_response, unless_disconnected
 
 router = APIRouter()
 
+# A response with more token entries (tokens x (1 + logprobs)) than this is built on a worker thread.
+BUILD_INLINE_TOKENS = 2048
 # JSON has no -inf; a token masked out by top-k/top-p reports this instead (as vLLM does).
 MASKED_LOGPROB = -9999.0
 
@@ -82,13 +85,16 @@ async def completions(body: CompletionRequest, request: Request):
     s.check_logprobs(body.logprobs, "logprobs")
     if body.echo and body.logprobs is not None:
         raise RequestError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
-    prompts = s.prompt_ids(body.prompt)
-    s.check_prompt_len(prompts)
+    num_seqs = (1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)) * body.n
+    s.check_queue(num_seqs, "n" if body.n > 1 else "prompt")   # before the tokenizer: a full queue is refused at once
     if body.max_tokens is None or "max_tokens" not in body.model_fields_set:
-        max_tokens = s.default_max_tokens(16)
+        max_tokens = s.cost_default(s.default_max_tokens(16), num_seqs, body.logprobs)
     else:
         s.check_max_tokens(body.max_tokens)
         max_tokens = body.max_tokens
+    s.check_cost(num_seqs, max_tokens, body.logprobs)
+    prompts = await s.prompt_ids(body.prompt)
+    s.check_prompt_len(prompts)
     params = [p for _ in prompts for p in s.sampling_params(body.n, body.seed, max_tokens=max_tokens,
                                                             logprobs=body.logprobs, final_only=not body.stream,
                                                             **body.sampling_kwargs())]
@@ -106,15 +112,28 @@ async def completions(body: CompletionRequest, request: Request):
     return await unless_disconnected(request, _completion_response(s, body, sub, head, prompts, echo))
 
 
-async def _completion_response(s, body, sub, head, prompts, echo) -> JSONResponse:
+async def _json_response(s, choices: list[RequestOutput], logprobs: int | None, build) -> Response:
+    """The response body build() makes, encoded; on a worker thread when it is big (many tokens,
+    or logprobs), so the loop keeps answering while a large response is built."""
+    def encode() -> bytes:
+        return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    size = sum(len(c.token_ids) for c in choices) * (1 + (logprobs or 0))
+    body = encode() if size <= BUILD_INLINE_TOKENS else await s.offload(encode)
+    return Response(body, media_type="application/json")
+
+
+async def _completion_response(s, body, sub, head, prompts, echo) -> Response:
     choices = await sub.collect()
-    res = []
-    for i, c in enumerate(choices):
-        lp = None if body.logprobs is None else completion_logprobs(s.tokenizer, c.token_ids, c.logprobs,
-                                                                    body.logprobs, 0)
-        res.append({"index": i, "text": echo[i] + c.text, "logprobs": lp, **_ending(c)})
-    usage = _usage(prompts, sum(len(c.token_ids) for c in choices))
-    return JSONResponse({**head, "choices": res, "usage": usage})
+
+    def build() -> dict:
+        res = []
+        for i, c in enumerate(choices):
+            lp = None if body.logprobs is None else completion_logprobs(s.tokenizer, c.token_ids, c.logprobs,
+                                                                        body.logprobs, 0)
+            res.append({"index": i, "text": echo[i] + c.text, "logprobs": lp, **_ending(c)})
+        usage = _usage(prompts, sum(len(c.token_ids) for c in choices))
+        return {**head, "choices": res, "usage": usage}
+    return await _json_response(s, choices, body.logprobs, build)
 
 
 async def _completion_events(s, body, sub, head, prompts, echo):
@@ -162,10 +181,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s.check_logprobs(body.top_logprobs, "top_logprobs")
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-    try:
-        prompt = s.tokenizer.encode_chat([m.as_template_dict() for m in body.messages], add_generation_prompt=True)
-    except ValueError as e:
-        raise RequestError(str(e), param="messages") from None
+    s.check_queue(body.n)   # before the template and the tokenizer: a full queue is refused at once
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.max_completion_tokens is not None or body.max_tokens is not None:
+        s.check_cost(body.n, body.max_completion_tokens or body.max_tokens, logprobs)
+    prompt = await s.encode_chat([m.as_template_dict() for m in body.messages], add_generation_prompt=True)
     if not prompt:
         raise RequestError("messages render to an empty prompt", param="messages")
     s.check_prompt_len([prompt], param="messages")
@@ -174,9 +194,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         # OpenAI's chat default: as many as fit in the context (and --max-tokens-cap). If the
         # prompt alone is too long, asking for one token lets the engine report the lengths.
         max_tokens = max(1, s.default_max_tokens(s.max_model_len - len(prompt)))
+        max_tokens = s.cost_default(max_tokens, body.n, logprobs)   # and --max-request-cost
     else:
         s.check_max_tokens(max_tokens)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, final_only=not body.stream,
                                **body.sampling_kwargs())
     request_id, sub = await s.submit([prompt] * body.n, params, arrival, "chatcmpl")
@@ -186,14 +206,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         request, _chat_response(s, body, sub, _head(request_id, "chat.completion", s), prompt))
 
 
-async def _chat_response(s, body, sub, head, prompt) -> JSONResponse:
+async def _chat_response(s, body, sub, head, prompt) -> Response:
     choices = await sub.collect()
     k = body.top_logprobs or 0
-    res = [{"index": i, "message": {"role": "assistant", "content": c.text},
-            "logprobs": {"content": chat_logprobs(s.tokenizer, c.token_ids, c.logprobs, k)} if body.logprobs else None,
-            **_ending(c)} for i, c in enumerate(choices)]
-    usage = _usage([prompt], sum(len(c.token_ids) for c in choices))
-    return JSONResponse({**head, "choices": res, "usage": usage})
+
+    def build() -> dict:
+        res = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                "logprobs": {"content": chat_logprobs(s.tokenizer, c.token_ids, c.logprobs, k)} if body.logprobs
+                else None, **_ending(c)} for i, c in enumerate(choices)]
+        usage = _usage([prompt], sum(len(c.token_ids) for c in choices))
+        return {**head, "choices": res, "usage": usage}
+    return await _json_response(s, choices, k if body.logprobs else None, build)
 
 
 async def _chat_events(s, body, sub, head, prompt):

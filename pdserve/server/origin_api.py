@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.errors import APIError
 from pdserve.server.protocol import BasicGenerateRequest, GenerateRequest, GenerateStreamRequest
-from pdserve.server.state import get_state
+from pdserve.server.admission import get_state
 from pdserve.server.streaming import sse, sse_response, unless_disconnected
 
 router = APIRouter()
@@ -25,13 +25,15 @@ router = APIRouter()
 async def _submit(request: Request, body, prompts: list[str], param: str = "prompt", stream: bool = False):
     arrival = time.perf_counter()
     s = get_state(request)
-    ids = [s.encode(p) for p in prompts]
-    s.check_prompt_len(ids, param)
+    s.check_queue(len(prompts), param)   # before the tokenizer: a full queue is refused at once
     if "max_tokens" in body.model_fields_set:
         s.check_max_tokens(body.max_tokens)
         max_tokens = body.max_tokens
     else:
-        max_tokens = s.default_max_tokens(body.max_tokens)
+        max_tokens = s.cost_default(s.default_max_tokens(body.max_tokens), len(prompts), None)
+    s.check_cost(len(prompts), max_tokens, None)
+    ids = await s.encode(prompts, param)
+    s.check_prompt_len(ids, param)
     # The origin had no context limit to speak of: stop at the context rather than refuse
     # (a prompt that fills the context alone is still refused, by the engine).
     params = [SamplingParams(max_tokens=min(max_tokens, max(1, s.max_model_len - len(p))),

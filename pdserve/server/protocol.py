@@ -3,25 +3,31 @@
 Pydantic checks shapes and types only; the numeric ranges of sampling fields are checked
 once, by SamplingParams, so the offline LLM and the server accept exactly the same values.
 Unknown fields are ignored, as OpenAI's own server does for fields it does not know.
+Types are strict (_Strict): `true` is not an integer, `"5"` and `2.0` are not integers, as
+the published schema says.
 """
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StrictFloat, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, WithJsonSchema, field_validator
 
 from pdserve.objectives import RequestObjectives
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SLOTargets(BaseModel):
+class SLOTargets(_Strict):
     """Per-phase latency targets of one request, in milliseconds (None: the server's default)."""
     ttft_ms: StrictFloat | StrictInt | None = None
     tpot_ms: StrictFloat | StrictInt | None = None
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Strict):
     """What completions and chat share. None means "the SamplingParams default"."""
     model: str | None = None
     n: int = Field(1, ge=1)   # the upper bound is --max-n
@@ -67,8 +73,18 @@ class _SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+def _nonempty_list(items: dict) -> dict:
+    return {"type": "array", "minItems": 1, "items": items}
+
+
+# What _prompt_shape accepts, for /openapi.json
+PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, _nonempty_list({"type": "string"}),
+                           _nonempty_list({"type": "integer"}), _nonempty_list(_nonempty_list({"type": "integer"}))]}
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: Any = Field(..., description="a string, a list of strings, a list of token ids or a list of them")
+    prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)] = Field(
+        ..., description="a string, a list of strings, a list of token ids or a list of them")
     max_tokens: int | None = 16   # OpenAI's default for the legacy completions endpoint
     logprobs: int | None = None
     echo: bool = False
@@ -87,12 +103,12 @@ class CompletionRequest(_SamplingFields):
         raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -117,7 +133,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 # ---- the origin server's endpoints (field names are theirs)
 
-class _OriginFields(BaseModel):
+class _OriginFields(_Strict):
     max_tokens: int = 64
     temperature: float = 0.0    # greedy: the origin server decoded greedily
 
@@ -136,12 +152,12 @@ class GenerateStreamRequest(_OriginFields):
 
 # ---- utilities
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True  # only with messages
     add_special_tokens: bool = True     # only with prompt
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Strict):
     tokens: list[int]

@@ -1,4 +1,6 @@
 """Endpoints around generation: tokenize, detokenize, health, version, metrics."""
+import functools
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -7,7 +9,7 @@ from pdserve.errors import RequestError
 from pdserve.server.errors import error_body
 from pdserve.server.metrics import CONTENT_TYPE
 from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from pdserve.server.state import get_state
+from pdserve.server.admission import OFFLOAD_CHARS, get_state
 
 router = APIRouter()
 
@@ -18,13 +20,12 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("give exactly one of `prompt` and `messages`", param="prompt")
     if body.messages is not None:
-        try:
-            tokens = s.tokenizer.encode_chat([m.as_template_dict() for m in body.messages],
-                                             add_generation_prompt=body.add_generation_prompt)
-        except ValueError as e:
-            raise RequestError(str(e), param="messages") from None
+        tokens = await s.encode_chat([m.as_template_dict() for m in body.messages],
+                                     add_generation_prompt=body.add_generation_prompt)
     else:
-        tokens = s.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        s.check_prompt_chars([body.prompt])
+        tokenize = functools.partial(s.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = tokenize() if len(body.prompt) <= OFFLOAD_CHARS else await s.offload(tokenize)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": s.max_model_len}
 
 

@@ -35,7 +35,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
         self._log = open(self.log_path, "w")
-        model_args = [] if model is None else ["--model", model]   # None: the bundled default model
+        model_args = [] if model is None else ["--model", model]   # None: the bundled default model (or in args)
         cmd = [sys.executable, "-m", "pdserve", "serve", *model_args, "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})

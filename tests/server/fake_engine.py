@@ -11,6 +11,7 @@ from pdserve.errors import RequestError
 
 class FakeTokenizer:
     vocab_size = 128
+    max_token_chars = 1   # a character is a token
     eos_token_ids = [0]
 
     def encode(self, text, add_special_tokens=True):

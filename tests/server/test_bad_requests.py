@@ -38,7 +38,7 @@ CASES = [
     ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("n = 0", "/v1/completions", {**OK, "n": 0}, 400, "n"),
     ("n > 64", "/v1/completions", {**OK, "n": 65}, 400, "n"),
-    ("prompts x n over --max-waiting", "/v1/completions", {**OK, "prompt": ["a"] * 5, "n": 64}, 400, "n"),
+    ("prompts x n over --max-waiting + seats", "/v1/completions", {**OK, "prompt": ["a"] * 6, "n": 64}, 400, "n"),
     ("empty stop string", "/v1/completions", {**OK, "stop": [""]}, 400, "stop"),
     ("too many stop strings", "/v1/completions", {**OK, "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
     ("negative stop token id", "/v1/completions", {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
