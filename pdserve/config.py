@@ -140,8 +140,10 @@ class EngineConfig:
                                     "TPOT target, by a step-time model calibrated at start-up (seconds) and "
                                     "refitted from measured steps (docs/API.md)",
                                     choices=["fcfs", "priority", "slo"])
-    slo_ttft_ms: float | None = option(None, "TTFT target (ms) of requests that give no slo.ttft_ms (default: none)", metavar="MS")
-    slo_tpot_ms: float | None = option(None, "TPOT target (ms) of requests that give no slo.tpot_ms (default: none)", metavar="MS")
+    slo_ttft_ms: float | None = option(None, "TTFT target (ms) of requests that give no slo.ttft_ms "
+                                       "(default: none)", metavar="MS")
+    slo_tpot_ms: float | None = option(None, "TPOT target (ms) of requests that give no slo.tpot_ms "
+                                       "(default: none)", metavar="MS")
     slo_admission: str = option("serve", "slo policy: reject refuses at once (503 slo_unattainable) a request "
                                 "whose TTFT target the step-time model says cannot be met; serve queues it anyway",
                                 choices=["serve", "reject"])
