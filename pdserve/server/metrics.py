@@ -113,9 +113,9 @@ class ServerMetrics:
                                             ("tpot", m.tpot_target, m.tpot_attained)):
                 if target is None:
                     continue
-                self.slo_requests.labels(phase).inc()
+                self.slo_requests.labels(self.model_name, phase).inc()
                 if attained:   # None (e.g. failed before its first token) is a miss
-                    self.slo_attained.labels(phase).inc()
+                    self.slo_attained.labels(self.model_name, phase).inc()
                 else:
                     good = False
             if good:
