@@ -31,6 +31,11 @@ def test_the_schema_declares_400_in_openai_format_and_no_422():
     assert "text/event-stream" in schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     prompt = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
     assert len(prompt["anyOf"]) == 4   # the shapes the validator accepts, not "anything"
+    # the ranges the server checks, with the launch caps (here the defaults)
+    chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat["n"]["maximum"] == 64 and chat["top_logprobs"]["anyOf"][0]["maximum"] == 20
+    assert chat["temperature"]["anyOf"][0]["minimum"] == 0 and chat["top_p"]["anyOf"][0]["maximum"] == 1
+    assert chat["stop"]["anyOf"][1]["maxItems"] == 16
 
 
 def _operations():
