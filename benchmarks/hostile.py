@@ -3,7 +3,7 @@ must be refused (text that is not Unicode, bodies not sent as JSON, a foreign Ho
 Authorization headers, integers given as booleans, prompts too long to tokenize, requests
 that would cost too much) and clients that are too slow to be served (slowloris).
 
-    python benchmarks/hostile.py --url http://127.0.0.1:8000     # the refusal checks against a server
+    python -m benchmarks.hostile --url http://127.0.0.1:8000     # the refusal checks against a server
 
 `check_refusals(url)` sends every case on one keep-alive connection and returns what went
 wrong (empty if nothing): a wrong status, a body not in OpenAI's error format, or a refusal
