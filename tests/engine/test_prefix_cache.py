@@ -126,6 +126,22 @@ def test_a_preempted_sequence_re_prefills_only_what_was_evicted():
     assert bm.num_hits == 8
 
 
+def test_the_prefill_cap_counts_only_uncached_tokens():
+    bm = BlockManager(num_blocks=32, block_size=4, enable_caching=True)
+    s = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8, max_prefill_tokens_with_decodes=5)
+    a = seq("a", list(range(16)))
+    s.add(a)
+    run_step(s)                               # alone: the whole prompt, no cap without decodes
+    b = seq("b", list(range(16)) + list(range(90, 99)))
+    s.add(b)
+    out = run_step(s)
+    # a decodes, so b's prefill is capped at 5 tokens a step, counted from the end of its hit
+    assert out.num_tokens == [1, 5] and b.num_computed_tokens == 21 and b.metrics.num_cached_tokens == 16
+    out = run_step(s)
+    assert out.num_tokens == [1, 4] and b.num_computed_tokens == 25 and b.metrics.num_prefill_steps == 2
+    assert b.num_output_tokens == 1
+
+
 def test_cache_salt_isolates_requests():
     bm, s = cached_setup()
     a = seq("a", list(range(9)), salt="tenant-1")
@@ -284,6 +300,8 @@ def test_cache_invariants_hold_after_every_step(workload):
                 sched.finish(s, "abort")
         out = sched.schedule(now=float(step))
         assert out.total_tokens <= budget and len(out.seqs) <= max_seqs
+        if prefill_cap and out.num_decode_tokens:
+            assert out.num_prefill_tokens <= prefill_cap
         for s, n in zip(out.seqs, out.num_tokens):
             assert len(s.block_table) * block_size >= s.num_computed_tokens + n, "scheduled past its blocks"
             for p in range(s.num_computed_tokens, s.num_computed_tokens + n):
