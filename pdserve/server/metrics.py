@@ -113,11 +113,11 @@ class ServerMetrics:
     def _log_window(self, stats: EngineStats) -> None:
         start, prefill, decode, queries, hits = self._window
         now = time.monotonic()
-        if prefill or decode:
+        if prefill or decode:   # the hit rate over the admissions of the interval, if there were any
+            rate = f"{100 * hits / queries:.1f}%" if queries else "n/a (no admissions)"
             log.info("engine: %.1f prefill tok/s, %.1f decode tok/s; running %d, waiting %d; KV cache usage %.1f%%; "
-                     "prefix cache hit rate %.1f%%", prefill / (now - start), decode / (now - start),
-                     stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage,
-                     100 * hits / queries if queries else 0.0)
+                     "prefix cache hit rate %s", prefill / (now - start), decode / (now - start),
+                     stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, rate)
         self._window = [now, 0, 0, 0, 0]
 
     def record_finished(self, out: RequestOutput) -> None:

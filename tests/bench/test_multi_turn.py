@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from pdserve.benchmarks.bench_metrics import RequestResult, compute_metrics
-from pdserve.benchmarks.datasets import multi_turn_conversations
-from pdserve.benchmarks.multi_turn import ChatRecorder, turn_summary
-from pdserve.benchmarks.serve_bench import StreamRecorder
+from pdserve.bench.bench_metrics import RequestResult, compute_metrics
+from pdserve.bench.datasets import multi_turn_conversations
+from pdserve.bench.multi_turn import ChatRecorder, turn_summary
+from pdserve.bench.serve_bench import StreamRecorder
 
 
 def test_conversations_are_corpus_questions_fixed_by_the_seed():
