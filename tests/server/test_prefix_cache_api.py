@@ -40,7 +40,7 @@ def test_cached_tokens_in_usage_counters_and_reset(srv, client):
         "pdserve:prefix_cache_queries_total", 0) >= 40 + 42 + 41)
     assert m["pdserve:prefix_cache_queries_total"] - before.get("pdserve:prefix_cache_queries_total", 0) == 123
     assert m["pdserve:prefix_cache_hits_total"] - before.get("pdserve:prefix_cache_hits_total", 0) == 64
-    r = httpx.post(srv.url + "/reset_prefix_cache")
+    r = httpx.post(srv.url + "/reset_prefix_cache", json={})
     assert r.status_code == 200 and r.json()["reset_blocks"] >= 2 and r.json()["cached_blocks_in_use"] == 0
     assert complete(client, PROMPT + [7, 8]).usage.prompt_tokens_details.cached_tokens == 0
 
