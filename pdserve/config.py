@@ -134,6 +134,9 @@ class EngineConfig:
                                       "(default: where they build); --no-cpu-kernels uses torch's ops")
     profile_steps: int | None = option(None, "log where engine steps spend their time (schedule, prepare, "
                                        "forward, sample, output) every N steps", min=0, metavar="N")
+    enable_prefix_caching: bool = option(
+        True, "keep the K/V of computed prompt blocks and reuse them for any request whose prompt starts with the "
+        "same tokens (a shared system prompt, a chat's history); --no-enable-prefix-caching turns it off")
 
     def __post_init__(self):
         if self.device is None:
@@ -150,6 +153,8 @@ class EngineConfig:
         if not isinstance(self.max_prefill_tokens_with_decodes, int) or self.max_prefill_tokens_with_decodes < 0:
             raise ConfigError(f"max_prefill_tokens_with_decodes must be >= 0 (0 = no cap), "
                              f"got {self.max_prefill_tokens_with_decodes!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -25,6 +25,9 @@ class SamplingParams:
     # Only the finished output, none per step (vLLM's RequestOutputKind.FINAL_ONLY): what
     # LLM.generate and non-streamed API responses read. Saves making an output per request and step.
     final_only: bool = False
+    # Prefix-cache isolation (vLLM's cache_salt): requests share cached blocks only with requests of
+    # the same salt, so one tenant cannot learn from timing what another's prompts were.
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -61,6 +64,8 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         if not isinstance(self.final_only, bool):
             bad("final_only", f"must be true or false, got {self.final_only!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad("cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             # torch's generator takes no more; a larger seed would fail the whole engine step
             bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")

@@ -31,9 +31,15 @@ class LLMEngine:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.runner = ModelRunner(self.model_config, self.config, self.max_model_len, self.tokenizer.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        # the cache namespace: besides tokens and cache_salt, what makes a block's K/V what it is
+        namespace = (str(self.runner.dtype), self.config.quantization)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching, namespace)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.max_prefill_tokens_with_decodes)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); prefix caching %s", self.runner.num_blocks,
+                    self.config.block_size, self.runner.num_blocks * self.runner.bytes_per_block / 2**20,
+                    "on" if self.config.enable_prefix_caching else "off")
         self.processor = OutputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
@@ -72,8 +78,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def get_stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           self.block_manager.num_free_blocks, self.block_manager.num_blocks)
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_free_blocks,
+                           bm.num_blocks, bm.num_queries, bm.num_hits)
+
+    def reset_prefix_cache(self) -> dict:
+        """Forget the cached blocks no request holds (BlockManager.reset_prefix_cache)."""
+        return self.block_manager.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         outputs = [self._finish(seq, None) for seq in self._aborted]
@@ -88,8 +99,7 @@ class LLMEngine:
             if self.fault_hook is not None:
                 self.fault_hook(sched)
             sampled = self.runner.execute(sched)
-            for seq, n in zip(sched.seqs, sched.num_tokens):
-                seq.num_computed_tokens += n
+            self.scheduler.mark_computed(sched)
             now = time.perf_counter()
             for seq, token, logprobs in sampled:
                 self.processor.append_token(seq, token, logprobs, now)

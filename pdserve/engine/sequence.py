@@ -26,7 +26,7 @@ class Sequence:
     __slots__ = ("request_id", "seq_no", "token_ids", "prompt_token_ids", "num_prompt_tokens", "params", "status",
                  "num_computed_tokens", "prefill_len", "block_table", "metrics", "finish_reason", "stop_reason",
                  "logprobs", "argmax_only", "final_only", "stop_ids", "max_len", "generator", "detokenizer", "text",
-                 "sent_text_len", "text_tokens", "defer_text")
+                 "sent_text_len", "text_tokens", "defer_text", "block_hashes", "num_cached_blocks", "cache_parent")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
         self.request_id = request_id
@@ -39,6 +39,12 @@ class Sequence:
         self.num_computed_tokens = 0          # tokens whose K/V are in the cache
         self.prefill_len = 0                  # tokens to prefill at the last (re-)admission
         self.block_table: list[int] = []
+        # prefix cache (BlockManager): chained hashes of its full blocks so far, how many leading
+        # blocks of its table are registered (or were offered), and the registration the next
+        # full block chains from (None: caching stopped for it, after a hash collision)
+        self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0
+        self.cache_parent = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -60,9 +60,15 @@ def chat_logprobs(tok, token_ids: list[int], logprobs: list[dict], k: int) -> li
             for tid, lp in zip(token_ids, logprobs)]
 
 
-def _usage(prompts: list[list[int]], num_generated: int) -> dict:
+def _usage(prompts: list[list[int]], num_generated: int, num_cached: int = 0) -> dict:
     n_prompt = sum(len(p) for p in prompts)
-    return {"prompt_tokens": n_prompt, "completion_tokens": num_generated, "total_tokens": n_prompt + num_generated}
+    return {"prompt_tokens": n_prompt, "completion_tokens": num_generated, "total_tokens": n_prompt + num_generated,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+def _cached(outputs, n: int) -> int:
+    """Prompt tokens served from the prefix cache: each prompt's first choice's (the prompt counts once)."""
+    return sum(o.num_cached_tokens for i, o in enumerate(outputs) if i % n == 0 and o is not None)
 
 
 def _ending(out: RequestOutput) -> dict:
@@ -131,7 +137,7 @@ async def _completion_response(s, body, sub, head, prompts, echo) -> Response:
             lp = None if body.logprobs is None else completion_logprobs(s.tokenizer, c.token_ids, c.logprobs,
                                                                         body.logprobs, 0)
             res.append({"index": i, "text": echo[i] + c.text, "logprobs": lp, **_ending(c)})
-        usage = _usage(prompts, sum(len(c.token_ids) for c in choices))
+        usage = _usage(prompts, sum(len(c.token_ids) for c in choices), _cached(choices, body.n))
         return {**head, "choices": res, "usage": usage}
     return await _json_response(s, choices, body.logprobs, build)
 
@@ -145,7 +151,7 @@ async def _completion_events(s, body, sub, head, prompts, echo):
         for i, text in enumerate(echo):
             if text:
                 yield sse({**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]})
-        generated = 0
+        generated, finals = 0, [None] * len(sub.request_ids)
         async for out in sub.outputs():
             i = sub.index[out.request_id]
             choice = {"index": i, "text": out.new_text, "logprobs": None, "finish_reason": None}
@@ -156,12 +162,13 @@ async def _completion_events(s, body, sub, head, prompts, echo):
             if out.finished:
                 choice.update(_ending(out))
                 generated += len(out.token_ids)
+                finals[i] = out
             # one event per new token, even when its text is still empty (part of a character,
             # or held back as a possible stop string), as vLLM does: clients time tokens by events
             if out.new_token_ids or out.new_text or out.finished:
                 yield sse({**head, "choices": [choice]})
         if body.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(prompts, generated)})
+            yield sse({**head, "choices": [], "usage": _usage(prompts, generated, _cached(finals, body.n))})
     except APIError as e:
         yield sse(error_body(e.message, e.type, e.param, e.code))
     finally:
@@ -214,7 +221,7 @@ async def _chat_response(s, body, sub, head, prompt) -> Response:
         res = [{"index": i, "message": {"role": "assistant", "content": c.text},
                 "logprobs": {"content": chat_logprobs(s.tokenizer, c.token_ids, c.logprobs, k)} if body.logprobs
                 else None, **_ending(c)} for i, c in enumerate(choices)]
-        usage = _usage([prompt], sum(len(c.token_ids) for c in choices))
+        usage = _usage([prompt], sum(len(c.token_ids) for c in choices), _cached(choices, body.n))
         return {**head, "choices": res, "usage": usage}
     return await _json_response(s, choices, k if body.logprobs else None, build)
 
@@ -224,7 +231,7 @@ async def _chat_events(s, body, sub, head, prompt):
         for i in range(body.n):
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
-        generated = 0
+        generated, finals = 0, [None] * len(sub.request_ids)
         async for out in sub.outputs():
             i = sub.index[out.request_id]
             choice = {"index": i, "delta": {"content": out.new_text} if out.new_text else {},
@@ -235,12 +242,13 @@ async def _chat_events(s, body, sub, head, prompt):
             if out.finished:
                 choice.update(_ending(out))
                 generated += len(out.token_ids)
+                finals[i] = out
             # one event per new token, even when its text is still empty (part of a character,
             # or held back as a possible stop string), as vLLM does: clients time tokens by events
             if out.new_token_ids or out.new_text or out.finished:
                 yield sse({**head, "choices": [choice]})
         if body.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage([prompt], generated)})
+            yield sse({**head, "choices": [], "usage": _usage([prompt], generated, _cached(finals, body.n))})
     except APIError as e:
         yield sse(error_body(e.message, e.type, e.param, e.code))
     finally:

@@ -40,6 +40,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None   # prefix-cache isolation: only requests with the same salt share blocks
 
     @property
     def include_usage(self) -> bool:
@@ -48,7 +49,7 @@ class _SamplingFields(_Strict):
     def sampling_kwargs(self) -> dict:
         """SamplingParams keyword arguments, without max_tokens, logprobs and seed (set per choice)."""
         fields = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                  "min_tokens", "repetition_penalty", "stop", "stop_token_ids")
+                  "min_tokens", "repetition_penalty", "stop", "stop_token_ids", "cache_salt")
         kw = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
         kw.update(ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
                   skip_special_tokens=self.skip_special_tokens)
