@@ -137,6 +137,19 @@ class EngineConfig:
     enable_prefix_caching: bool = option(
         True, "keep the K/V of computed prompt blocks and reuse them for any request whose prompt starts with the "
         "same tokens (a shared system prompt, a chat's history); --no-enable-prefix-caching turns it off")
+    scheduling_policy: str = option("fcfs", "fcfs: arrival order; priority: by each request's priority (lower "
+                                    "first), a waiting request may preempt lower-priority running ones; slo: "
+                                    "prefills by TTFT slack, a step's prefill tokens sized to keep the tightest "
+                                    "TPOT target, by a step-time model calibrated at start-up (seconds) and "
+                                    "refitted from measured steps (docs/API.md)",
+                                    choices=["fcfs", "priority", "slo"])
+    slo_ttft_ms: float | None = option(None, "TTFT target (ms) of requests that give no slo.ttft_ms "
+                                       "(default: none)", metavar="MS")
+    slo_tpot_ms: float | None = option(None, "TPOT target (ms) of requests that give no slo.tpot_ms "
+                                       "(default: none)", metavar="MS")
+    slo_admission: str = option("serve", "slo policy: reject refuses at once (503 slo_unattainable) a request "
+                                "whose TTFT target the step-time model says cannot be met; serve queues it anyway",
+                                choices=["serve", "reject"])
 
     def __post_init__(self):
         if self.device is None:
@@ -155,6 +168,14 @@ class EngineConfig:
                              f"got {self.max_prefill_tokens_with_decodes!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.scheduling_policy not in ("fcfs", "priority", "slo"):
+            raise ConfigError(f"scheduling_policy must be fcfs, priority or slo, got {self.scheduling_policy!r}")
+        if self.slo_admission not in ("serve", "reject"):
+            raise ConfigError(f"slo_admission must be serve or reject, got {self.slo_admission!r}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < float("inf"):
+                raise ConfigError(f"{name} must be a number of milliseconds > 0, got {v!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

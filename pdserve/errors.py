@@ -18,3 +18,11 @@ class RequestError(ValueError):
 
 class ConfigError(ValueError):
     """An engine or server option that cannot work (a device that is not there, a bound out of range)."""
+
+
+class SLOUnattainable(RequestError):
+    """--slo-admission reject: the request's TTFT target cannot be met, so it is refused at once
+    (the server answers 503 slo_unattainable) rather than served late."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="slo")

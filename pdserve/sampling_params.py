@@ -2,6 +2,7 @@
 from dataclasses import dataclass, field
 
 from pdserve.errors import RequestError
+from pdserve.objectives import RequestObjectives
 
 
 @dataclass(slots=True)   # read per sequence in every step: slots, not a dict
@@ -28,6 +29,8 @@ class SamplingParams:
     # Prefix-cache isolation (vLLM's cache_salt): requests share cached blocks only with requests of
     # the same salt, so one tenant cannot learn from timing what another's prompts were.
     cache_salt: str | None = None
+    # priority and TTFT/TPOT targets, read by the scheduling policy (pdserve/engine/policy.py)
+    objectives: RequestObjectives | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,6 +65,8 @@ class SamplingParams:
             bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.objectives is not None and not isinstance(self.objectives, RequestObjectives):
+            bad("objectives", f"must be a RequestObjectives, got {type(self.objectives).__name__}")
         if not isinstance(self.final_only, bool):
             bad("final_only", f"must be true or false, got {self.final_only!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):

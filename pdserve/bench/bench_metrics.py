@@ -8,6 +8,8 @@ Pure functions over `RequestResult`s, so every definition can be tested on made-
 - TPOT: (E2EL - TTFT) / (output_tokens - 1), only for requests with more than one output token.
 - Goodput: requests meeting every given SLO, per second of benchmark. As in vLLM, a
   one-token request counts as TPOT 0 there.
+- SLO attainment (with --slo-mix): the share of all requests, failed and refused ones
+  included as misses, that met the TTFT and TPOT targets they were sent with.
 
 Output token counts are the server's `usage`, never a count of chunks (a chunk may carry
 several tokens, or a token may decode to no text). Failed requests count in `completed` +
@@ -35,6 +37,7 @@ class RequestResult:
     error: str = ""
     kind: str | None = None         # dataset label, e.g. "short" / "long", "turn2"
     cached_tokens: int | None = None   # the server's usage.prompt_tokens_details.cached_tokens, if given
+    slo_ms: dict | None = None      # the targets it was sent with (--slo-mix): {"ttft": ms, "tpot": ms}
 
     @property
     def tpot(self) -> float | None:
@@ -57,6 +60,41 @@ def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
         if slos[name] < 0:
             raise ValueError(f"--goodput {pair!r}: an SLO cannot be negative")
     return slos
+
+
+def parse_slo_mix(specs: list[str] | None) -> dict[str, dict]:
+    """["short:2000:150:0", "long:30000:1000:1"] -> {kind: {"ttft": ms, "tpot": ms, "priority": p}};
+    KIND "*" is every request without a kind of its own in the list; PRIORITY is optional (0)."""
+    mix = {}
+    for spec in specs or []:
+        parts = spec.split(":")
+        if len(parts) not in (3, 4) or not parts[0]:
+            raise ValueError(f"--slo-mix takes KIND:TTFT_MS:TPOT_MS[:PRIORITY]; got {spec!r}")
+        try:
+            ttft, tpot = float(parts[1]), float(parts[2])
+            priority = int(parts[3]) if len(parts) == 4 else 0
+        except ValueError:
+            raise ValueError(f"--slo-mix {spec!r}: targets are milliseconds, the priority an integer") from None
+        if not (ttft > 0 and tpot > 0):
+            raise ValueError(f"--slo-mix {spec!r}: targets must be > 0 ms")
+        mix[parts[0]] = {"ttft": ttft, "tpot": tpot, "priority": priority}
+    return mix
+
+
+def objectives_for(mix: dict[str, dict], kind: str | None) -> dict | None:
+    """The --slo-mix entry for a request of this kind (its own, else "*"), or None."""
+    return mix.get(kind) if kind in mix else mix.get("*")
+
+
+def attainment(results: list[RequestResult]) -> dict:
+    """Shares of the requests sent with targets that met them: TTFT, TPOT, both."""
+    sent = [r for r in results if r.slo_ms]
+    if not sent:
+        return {}
+    ttft = [r.success and r.ttft * 1000 <= r.slo_ms["ttft"] for r in sent]
+    tpot = [r.success and (r.tpot or 0.0) * 1000 <= r.slo_ms["tpot"] for r in sent]
+    return {"slo_ttft_attainment": sum(ttft) / len(sent), "slo_tpot_attainment": sum(tpot) / len(sent),
+            "slo_attainment": sum(a and b for a, b in zip(ttft, tpot)) / len(sent)}
 
 
 def meets_slos(r: RequestResult, slos_ms: dict[str, float]) -> bool:
@@ -112,11 +150,15 @@ def compute_metrics(results: list[RequestResult], duration: float, slos_ms: dict
         **cache_stats(ok),
         **latency_stats(results),
     }
+    att = attainment(results)
+    if att:   # goodput by the requests' own targets: those meeting both, per second
+        out.update(att, slo_goodput=att["slo_attainment"] * sum(1 for r in results if r.slo_ms) / duration)
     kinds = sorted({r.kind for r in results if r.kind is not None})
     for kind in kinds:   # e.g. short_p99_itl_ms: how the short requests fared next to the long ones
         group = [r for r in results if r.kind == kind]
         out[f"{kind}_completed"] = sum(r.success for r in group)
         out.update({f"{kind}_{k}": v for k, v in latency_stats(group).items()})
+        out.update({f"{kind}_{k}": v for k, v in attainment(group).items()})
     out.update({
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_tokens if r.success else 0 for r in results],

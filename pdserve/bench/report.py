@@ -143,6 +143,16 @@ def plot_latency_vs_rate(named, out_dir: str) -> str | None:
                        "Latency against request rate (solid: median, dashed: p99)", out_dir, "latency_vs_rate.png")
 
 
+def plot_attainment_vs_rate(named, out_dir: str) -> str | None:
+    """SLO attainment (`pdserve bench --slo-mix`) and goodput against request rate, one line per label."""
+    named = [(n, r) for n, r in named if r.get("slo_attainment") is not None]
+    path = _plot_sweep(named, _rate, "request rate (req/s)",
+                       [("SLO attainment (both met)", [("slo_attainment", "-")]),
+                        ("SLO goodput (req/s)", [("slo_goodput", "-")])],
+                       "Requests meeting their own TTFT and TPOT targets", out_dir, "attainment_vs_rate.png")
+    return path
+
+
 def plot_throughput_vs_concurrency(named, out_dir: str) -> str | None:
     return _plot_sweep(named, lambda r: r.get("max_concurrency"), "max concurrency",
                        [("output tokens/s", [("output_throughput", "-")]),
@@ -207,7 +217,7 @@ def plot_step_timeline(path: str, out_dir: str, name: str = "step_timeline.png")
 
 def plot_results(named: list[tuple[str, dict]], out_dir: str) -> list[str]:
     """Every results plot that the given (name, result) pairs have data for; returns the paths."""
-    plots = (plot_latency_cdfs, plot_latency_vs_rate, plot_throughput_vs_concurrency)
+    plots = (plot_latency_cdfs, plot_latency_vs_rate, plot_attainment_vs_rate, plot_throughput_vs_concurrency)
     return [p for plot in plots if (p := plot(named, out_dir))]
 
 

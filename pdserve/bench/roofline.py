@@ -179,6 +179,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rounds of (GEMM probe, the compute-bound steps: every prefill length and the decode "
                              "batches past the ridge at the smallest decode context) side by side: each step's "
                              "fraction of the peak probed right before it (default 0: skip)")
+    parser.add_argument("--cost-model", action="store_true",
+                        help="only fit and print the step-time model the slo scheduling policy uses (seconds; "
+                             "the engine flags shape it: --max-num-batched-tokens, --max-num-seqs)")
     parser.add_argument("--output", default=None, help="write all measurements as JSON to this file")
     parser.add_argument("--plot", default=None, help="write the roofline plot (PNG) to this file")
     add_engine_args(parser)
@@ -222,6 +225,8 @@ def run(args) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cost_model:
+        return print_cost_model(args, kwargs)
     repeats = args.repeats or (QUICK if args.quick else FULL)["repeats"]
     cfg = ModelConfig.from_dir(args.model)
     limit = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -300,4 +305,35 @@ def run(args) -> int:
     if args.plot:
         plot(args.plot, recs, limits, dtype, engine.model_name)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def print_cost_model(args, kwargs: dict) -> int:
+    """Fit the engine's step-time model (as --scheduling-policy slo does at start-up) and print it,
+    with what it predicts for a few steps and the prefill cap it gives for some TPOT targets."""
+    from pdserve.engine.cost_model import StepCostModel, step_features
+    from pdserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(**kwargs)
+    model = engine.cost_model = StepCostModel()
+    engine.calibrate_cost_model()
+    print(model.describe())
+    budget, seats = engine.config.max_num_batched_tokens, engine.config.max_num_seqs
+    steps = [(f"prefill {n}", [n], [0]) for n in (64, budget) if n <= budget] + \
+            [(f"decode batch {b} at context 256", [1] * b, [256] * b) for b in sorted({1, min(32, seats)})]
+    rows = []
+    for name, n, ctx in steps:
+        t = model.predict(*step_features(n, ctx)[1:])
+        rows.append({"step": name, "predicted_ms": 1e3 * t})
+        print(f"  {name}: {1e3 * t:.2f} ms")
+    b = min(32, seats)
+    caps = {}
+    for tpot_ms in (25, 50, 100, 200):
+        caps[tpot_ms] = model.max_prefill_tokens(tpot_ms / 1e3, b, b * 257, budget)
+        print(f"  TPOT {tpot_ms} ms beside {b} decodes at context 256: at most {caps[tpot_ms]} prefill tokens a step")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"model": args.model, "cost_model": model.as_dict(), "predictions": rows,
+                       "prefill_cap_by_tpot_ms": caps}, f, indent=1)
+        print(f"wrote {args.output}")
     return 0

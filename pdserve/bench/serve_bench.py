@@ -103,11 +103,17 @@ class StreamRecorder:
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, req: BenchRequest, headers: dict,
-               t0: float) -> RequestResult:
+               t0: float, mix: dict | None = None) -> RequestResult:
     payload = {**body, "prompt": req.prompt, "max_tokens": req.output_len}
+    objectives = bench_metrics.objectives_for(mix or {}, req.kind)
+    if objectives is not None:   # pdserve's (and vLLM's, for priority) request fields
+        payload.update(priority=objectives["priority"],
+                       slo={"ttft_ms": objectives["ttft"], "tpot_ms": objectives["tpot"]})
     rec = await stream_post(client, url, payload, headers, StreamRecorder(time.perf_counter()))
     result = rec.result(req.prompt_len)
     result.start_time, result.kind = rec.sent - t0, req.kind
+    if objectives is not None:
+        result.slo_ms = {"ttft": objectives["ttft"], "tpot": objectives["tpot"]}
     return result
 
 
@@ -139,7 +145,7 @@ async def benchmark(args, url: str, body: dict, headers: dict, requests: list[Be
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout)) as client:
         async def one(req: BenchRequest, t0: float, bar) -> RequestResult:
             async with cap:   # the request's clock starts only once it may be sent
-                result = await send(client, url, body, req, headers, t0)
+                result = await send(client, url, body, req, headers, t0, args.slo_mix)
             if bar is not None:
                 bar.update(1)
             return result
@@ -184,6 +190,11 @@ def print_summary(res: dict, slos: dict) -> None:
     print(line("Request throughput (req/s):", f"{res['request_throughput']:.2f}"))
     if slos:
         print(line("Request goodput (req/s):", f"{res['request_goodput']:.2f}"))
+    if "slo_attainment" in res:
+        print(line("SLO attainment (TTFT, TPOT, both):", f"{res['slo_ttft_attainment']:.1%}, "
+                                                          f"{res['slo_tpot_attainment']:.1%}, "
+                                                          f"{res['slo_attainment']:.1%}"))
+        print(line("SLO goodput (req/s):", f"{res['slo_goodput']:.2f}"))
     print(line("Output token throughput (tok/s):", f"{res['output_throughput']:.2f}"))
     print(line("Total token throughput (tok/s):", f"{res['total_token_throughput']:.2f}"))
     rate = res.get("prefix_cache_hit_rate")
@@ -239,6 +250,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("results")
     g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000: a request is good if it meets all")
+    g.add_argument("--slo-mix", nargs="+", default=None, metavar="KIND:TTFT_MS:TPOT_MS[:PRIORITY]",
+                   help="send each request its kind's objectives (`priority`, `slo`) and report the share that "
+                        "met them (slo_attainment); KIND is a dataset label (long-short: short, long) or * for "
+                        "all, e.g. short:2000:150:0 long:30000:1000:1")
     g.add_argument("--label", default=None, help="name of this run in the JSON and in plots (e.g. pdserve, vllm)")
     g.add_argument("--output", default=None, metavar="FILE", help="write the result as JSON to FILE")
     g.add_argument("--plot", default=None, metavar="DIR", help="also write latency CDF plots (PNG) to DIR")
@@ -276,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         slos = bench_metrics.parse_goodput(args.goodput)
+        args.slo_mix = bench_metrics.parse_slo_mix(args.slo_mix)
         arrival_offsets(1, args.request_rate, args.burstiness, 0)   # validates rate and burstiness
         model, requests, warmups = _setup(args, headers)
     except (ValueError, RuntimeError, OSError, KeyError, IndexError, httpx.HTTPError) as e:

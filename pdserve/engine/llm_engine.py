@@ -9,13 +9,15 @@ from collections.abc import Callable
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.cost_model import StepCostModel, calibrate, calibration_shapes, step_features
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
+from pdserve.engine.policy import make_policy
 from pdserve.engine.profiler import StepProfiler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.errors import RequestError
+from pdserve.errors import RequestError, SLOUnattainable
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
@@ -31,15 +33,20 @@ class LLMEngine:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.runner = ModelRunner(self.model_config, self.config, self.max_model_len, self.tokenizer.eos_token_ids)
+        c = self.config
         # the cache namespace: besides tokens and cache_salt, what makes a block's K/V what it is
-        namespace = (str(self.runner.dtype), self.config.quantization)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching, namespace)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                   self.config.max_prefill_tokens_with_decodes)
+        namespace = (str(self.runner.dtype), c.quantization)
+        self.block_manager = BlockManager(self.runner.num_blocks, c.block_size, c.enable_prefix_caching, namespace)
+        # the step-time model the slo policy schedules by: fitted here, refitted from every step
+        self.cost_model = StepCostModel() if c.scheduling_policy == "slo" else None
+        if self.cost_model is not None:
+            self.calibrate_cost_model()
+        policy = make_policy(c.scheduling_policy, self.cost_model, c.max_num_batched_tokens, c.slo_admission)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_batched_tokens, c.max_num_seqs,
+                                   c.max_prefill_tokens_with_decodes, policy)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); prefix caching %s", self.runner.num_blocks,
-                    self.config.block_size, self.runner.num_blocks * self.runner.bytes_per_block / 2**20,
-                    "on" if self.config.enable_prefix_caching else "off")
+                    c.block_size, self.runner.num_blocks * self.runner.bytes_per_block / 2**20,
+                    "on" if c.enable_prefix_caching else "off")
         self.processor = OutputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
@@ -62,6 +69,14 @@ class LLMEngine:
         if n + m > capacity:
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds the whole KV cache "
                                f"({capacity} tokens)", param="max_tokens")
+        obj, c = params.objectives, self.config
+        ttft_ms = obj.ttft_ms if obj is not None and obj.ttft_ms is not None else c.slo_ttft_ms
+        tpot_ms = obj.tpot_ms if obj is not None and obj.tpot_ms is not None else c.slo_tpot_ms
+        seq.metrics.ttft_target = None if ttft_ms is None else ttft_ms / 1e3
+        seq.metrics.tpot_target = None if tpot_ms is None else tpot_ms / 1e3
+        why = self.scheduler.policy.refuse(seq, self.scheduler, time.perf_counter())
+        if why is not None:
+            raise SLOUnattainable(why)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -98,6 +113,8 @@ class LLMEngine:
                 return outputs
             if self.fault_hook is not None:
                 self.fault_hook(sched)
+            if self.cost_model is not None:   # before the step advances num_computed_tokens
+                features = step_features(sched.num_tokens, [seq.num_computed_tokens for seq in sched.seqs])
             sampled = self.runner.execute(sched)
             self.scheduler.mark_computed(sched)
             now = time.perf_counter()
@@ -116,6 +133,8 @@ class LLMEngine:
             logger.exception("engine step failed; failing its %d requests", len(failed))
             self._fail(failed, outputs)
             return outputs
+        if self.cost_model is not None:   # inside the step's time: its cost shows as "output"
+            self.cost_model.observe(features, time.perf_counter() - start)
         end = time.perf_counter()
         phases = {"schedule": scheduled - start, **self.runner.last_times}
         phases["output"] = end - start - sum(phases.values())
@@ -125,6 +144,36 @@ class LLMEngine:
         if self.profiler is not None:
             self.profiler.add(self.last_step)
         return outputs
+
+    def calibrate_cost_model(self) -> StepCostModel:
+        """Fit self.cost_model on a few timed steps of fake sequences (seconds on a 0.5B CPU model).
+        Only while no request is live: it borrows the KV cache."""
+        c = self.config
+        shapes = calibration_shapes(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        shapes = [(n, ctx) for n, ctx in shapes
+                  if sum(-(-(a + b) // c.block_size) for a, b in zip(n, ctx)) * c.block_size <= capacity]
+        t0 = time.perf_counter()
+        calibrate(self.cost_model, self._fake_step, shapes, repeats=1)
+        logger.info("step-time model calibrated in %.1f s: %s", time.perf_counter() - t0, self.cost_model.describe())
+        return self.cost_model
+
+    def _fake_step(self, num_tokens: list[int], contexts: list[int]) -> None:
+        """One forward of sequences with these scheduled tokens after these cached ones (any ids)."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        vocab = self.model_config.vocab_size
+        sched, seqs = SchedulerOutput(), []
+        try:
+            for i, (n, ctx) in enumerate(zip(num_tokens, contexts)):
+                seq = Sequence(f"calibration-{i}", [(7 * j + i) % vocab for j in range(ctx + n)], params, 0.0)
+                seq.num_computed_tokens, seq.prefill_len = ctx, (ctx + n if n > 1 else 0)
+                seqs.append(seq)
+                self.block_manager.allocate(seq, ctx + n)
+                sched.add(seq, n, n > 1)
+            self.runner.execute(sched)
+        finally:
+            for seq in seqs:
+                self.block_manager.free(seq)
 
     def _fail(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
         """Finish with "error" (blocks freed) each of `seqs` not already finished in this step.

@@ -13,6 +13,8 @@ class RequestMetrics:
     num_prefill_steps: int = 0      # steps that carried part of its (re-)prefill
     num_preemptions: int = 0
     num_cached_tokens: int = 0      # prompt tokens found in the prefix cache at its first admission
+    ttft_target: float | None = None   # seconds; the request's objectives with the engine's defaults
+    tpot_target: float | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -52,11 +54,28 @@ class RequestMetrics:
             return None
         return (self.token_times[-1] - self.token_times[0]) / (n - 1)
 
+    @property
+    def ttft_attained(self) -> bool | None:
+        """Whether the first token came within the TTFT target (None: no target, or no token)."""
+        if self.ttft_target is None or self.first_token_time is None:
+            return None
+        return self.ttft <= self.ttft_target
+
+    @property
+    def tpot_attained(self) -> bool | None:
+        """Whether the finished request's TPOT met its target; one output token counts as TPOT 0
+        (as vLLM's goodput does)."""
+        if self.tpot_target is None or self.finished_time is None or not self.token_times:
+            return None
+        tpot = self.tpot
+        return tpot is None or tpot <= self.tpot_target
+
     def as_dict(self) -> dict:
         return {"ttft_s": self.ttft, "tpot_s": self.tpot, "e2e_s": self.e2e, "queue_time_s": self.queue_time,
                 "prefill_time_s": self.prefill_time, "decode_time_s": self.decode_time,
                 "num_prefill_steps": self.num_prefill_steps, "num_preemptions": self.num_preemptions,
-                "num_cached_tokens": self.num_cached_tokens}
+                "num_cached_tokens": self.num_cached_tokens,
+                "slo_ttft_attained": self.ttft_attained, "slo_tpot_attained": self.tpot_attained}
 
 
 class ListPrefix:

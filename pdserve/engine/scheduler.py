@@ -19,11 +19,16 @@ Prefix cache (BlockManager): admission looks the sequence up first; its cached b
 computed (num_computed_tokens starts at the hit), so blocks, budget and the prefill cap are spent
 on the uncached rest only. A re-admitted (preempted) sequence so re-prefills only what was evicted.
 
+What depends on the requests' objectives (waiting order, prefill order, a TPOT-driven cap on a
+step's prefill tokens, the preemption victim, priority preemption) is the policy's
+(pdserve/engine/policy.py); with the default fcfs policy the rules above are the whole story.
+
 The scheduler has no model: it can be tested with fake sequences and fake sampled tokens."""
 from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.policy import FCFSPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -55,13 +60,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_prefill_tokens_with_decodes: int = 0):
+                 max_prefill_tokens_with_decodes: int = 0, policy: FCFSPolicy | None = None):
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes   # 0: no cap
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
+        self.policy = policy or FCFSPolicy()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,6 +78,9 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        room = self.policy.make_room(self, budget)   # priority: evict lower ones for a waiting one
+        for victim in room:
+            self._preempt(victim)
         prefill_budget = None   # set when the first prefill is reached: decodes are all placed by then
         # Decodes first, so a long prompt never stalls them; then unfinished prefill chunks. (Between
         # two forwards this runs on cold caches, microseconds a sequence: Sequence.is_prefill is
@@ -81,7 +90,7 @@ class Scheduler:
             (prefills if seq.num_computed_tokens < seq.prefill_len else decodes).append(seq)
         running = SequenceStatus.RUNNING
         block_size = self.block_manager.block_size
-        for seq in decodes + prefills:
+        for seq in decodes + self.policy.order_prefills(prefills):
             if budget == 0:
                 break
             if seq.status is not running:   # preempted earlier in this loop
@@ -98,7 +107,7 @@ class Scheduler:
             if computed + n > len(seq.block_table) * block_size:   # for a decode, one step in block_size
                 while not self.block_manager.try_allocate(seq, computed + n):
                     scheduled = set(map(id, out.seqs))
-                    victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
+                    victim = self.policy.victim(self.running, scheduled, seq)
                     self._preempt(victim)
                     out.preempted.append(victim)
                     if victim is seq:
@@ -114,6 +123,7 @@ class Scheduler:
         # Not in a step that had to preempt: the cache is full, admitting would only thrash.
         if prefill_budget is None:
             prefill_budget = self._prefill_budget(out, budget)
+        self.policy.order_waiting(self.waiting)
         while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted):
             seq = self.waiting[0]
@@ -135,6 +145,7 @@ class Scheduler:
             out.add(seq, n, True)
             budget -= n
             prefill_budget -= n
+        out.preempted.extend(room)
         return out
 
     def mark_computed(self, out: SchedulerOutput) -> None:
@@ -151,8 +162,8 @@ class Scheduler:
         """Prefill tokens this step may still take: the decode-aware cap if any decode is in it."""
         cap = self.max_prefill_tokens_with_decodes
         if cap and any(not p for p in out.is_prefill):
-            return min(cap, budget)
-        return budget
+            budget = min(cap, budget)
+        return self.policy.prefill_cap(out, budget)
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: free the blocks, requeue at the front; its tokens are kept."""

@@ -26,11 +26,13 @@ class Sequence:
     __slots__ = ("request_id", "seq_no", "token_ids", "prompt_token_ids", "num_prompt_tokens", "params", "status",
                  "num_computed_tokens", "prefill_len", "block_table", "metrics", "finish_reason", "stop_reason",
                  "logprobs", "argmax_only", "final_only", "stop_ids", "max_len", "generator", "detokenizer", "text",
-                 "sent_text_len", "text_tokens", "defer_text", "block_hashes", "num_cached_blocks", "cache_parent")
+                 "sent_text_len", "text_tokens", "defer_text", "block_hashes", "num_cached_blocks", "cache_parent",
+                 "priority")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
         self.request_id = request_id
         self.seq_no = next(_counter)          # admission order tiebreak
+        self.priority = params.objectives.priority if params.objectives is not None else 0   # lower first
         self.token_ids = list(prompt_token_ids)   # only ever appended to: outputs copy prefixes lazily
         self.prompt_token_ids = list(prompt_token_ids)   # every output shares this one copy
         self.num_prompt_tokens = len(prompt_token_ids)

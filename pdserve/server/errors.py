@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pdserve.errors import RequestError
+from pdserve.errors import RequestError, SLOUnattainable
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -68,6 +68,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, e: RequestValidationError):
         message, param = validation_message(list(e.errors()))
         return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(SLOUnattainable)
+    async def _unattainable(request: Request, e: SLOUnattainable):
+        # refused at once rather than served late (--slo-admission reject); a retry may fare better
+        return error_response(APIError(503, f"request refused: {e}", type="server_error", param=e.param,
+                                       code="slo_unattainable"))
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError):

@@ -67,6 +67,12 @@ class ServerMetrics:
         self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._cache_seen = (0, 0)
         self._window = [time.monotonic(), 0, 0, 0, 0]   # start, prefill and decode tokens, cache queries, hits
+        # objectives (docs/API.md): attainment per phase; the rate of request_goodput is goodput
+        self.slo_requests = counter("request_slo", "Finished requests with a target for the phase (aborts "
+                                    "left out).", ["phase"])
+        self.slo_attained = counter("request_slo_attained", "Finished requests that met their target for "
+                                    "the phase.", ["phase"])
+        self.goodput = counter("request_goodput", "Finished requests with targets that met all of them.")
         # engine state after the latest step
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests admitted but not yet scheduled.")
@@ -132,6 +138,19 @@ class ServerMetrics:
                 hist.observe(value)
         for gap in m.itl:
             self.itl.observe(gap)
+        if out.finish_reason != "abort" and (m.ttft_target is not None or m.tpot_target is not None):
+            good = True
+            for phase, target, attained in (("ttft", m.ttft_target, m.ttft_attained),
+                                            ("tpot", m.tpot_target, m.tpot_attained)):
+                if target is None:
+                    continue
+                self.slo_requests.labels(self.model_name, phase).inc()
+                if attained:   # None (e.g. failed before its first token) is a miss
+                    self.slo_attained.labels(self.model_name, phase).inc()
+                else:
+                    good = False
+            if good:
+                self.goodput.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,7 +8,9 @@ the published schema says.
 """
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, WithJsonSchema, field_validator
+
+from pdserve.objectives import RequestObjectives
 
 
 class _Strict(BaseModel):
@@ -17,6 +19,12 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class SLOTargets(_Strict):
+    """Per-phase latency targets of one request, in milliseconds (None: the server's default)."""
+    ttft_ms: StrictFloat | StrictInt | None = None
+    tpot_ms: StrictFloat | StrictInt | None = None
 
 
 class _SamplingFields(_Strict):
@@ -41,6 +49,9 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None   # prefix-cache isolation: only requests with the same salt share blocks
+    # vLLM's priority (lower runs first; --scheduling-policy priority) and pdserve's per-phase targets
+    priority: StrictInt = 0
+    slo: SLOTargets | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -53,6 +64,9 @@ class _SamplingFields(_Strict):
         kw = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
         kw.update(ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
                   skip_special_tokens=self.skip_special_tokens)
+        if self.priority or self.slo is not None:   # ranges checked by RequestObjectives (400 naming the field)
+            slo = self.slo or SLOTargets()
+            kw["objectives"] = RequestObjectives(self.priority, slo.ttft_ms, slo.tpot_ms)
         return kw
 
     @property

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from pdserve.bench.bench_metrics import RequestResult, compute_metrics, parse_goodput, stats_ms
+from pdserve.bench.bench_metrics import (RequestResult, compute_metrics, objectives_for, parse_goodput, parse_slo_mix,
+                                         stats_ms)
 
 
 def ok(ttft, itl, tokens, prompt_len=10, kind=None):
@@ -102,3 +103,34 @@ def test_parse_goodput_rejects_bad_pairs(bad):
 def test_parse_goodput():
     assert parse_goodput(["ttft:500", "tpot:50.5"]) == {"ttft": 500.0, "tpot": 50.5}
     assert parse_goodput(None) == {}
+
+
+def test_parse_slo_mix_and_lookup():
+    mix = parse_slo_mix(["short:2000:150:0", "long:30000:1000:1", "*:5000:500"])
+    assert mix["short"] == {"ttft": 2000.0, "tpot": 150.0, "priority": 0}
+    assert mix["long"]["priority"] == 1 and mix["*"]["priority"] == 0
+    assert objectives_for(mix, "long") is mix["long"] and objectives_for(mix, None) is mix["*"]
+    assert objectives_for(parse_slo_mix(["short:1:1"]), "long") is None
+
+
+@pytest.mark.parametrize("bad", ["short", "short:1", "short:x:1", ":1:1", "short:0:5", "short:1:1:high"])
+def test_parse_slo_mix_rejects(bad):
+    with pytest.raises(ValueError, match="--slo-mix"):
+        parse_slo_mix([bad])
+
+
+def test_attainment_by_each_requests_own_targets():
+    tight, loose = {"ttft": 100.0, "tpot": 10.0}, {"ttft": 5000.0, "tpot": 500.0}
+    rs = [ok(0.05, [0.005] * 4, 5, kind="short"),    # meets tight
+          ok(0.50, [0.005] * 4, 5, kind="short"),    # TTFT 500 ms misses tight
+          ok(0.05, [0.050] * 4, 5, kind="short"),    # TPOT 50 ms misses tight
+          ok(2.00, [0.200] * 4, 5, kind="long"),     # meets loose
+          failed()]                                   # refused or failed: a miss
+    for r, slo in zip(rs, [tight, tight, tight, loose, loose]):
+        r.slo_ms = slo
+    rs[-1].kind = "long"
+    res = compute_metrics(rs + [ok(9.0, [], 1)], duration=2.0)   # one sent without targets: not counted
+    assert res["slo_ttft_attainment"] == pytest.approx(3 / 5) and res["slo_tpot_attainment"] == pytest.approx(3 / 5)
+    assert res["slo_attainment"] == pytest.approx(2 / 5) and res["slo_goodput"] == pytest.approx(1.0)
+    assert res["short_slo_attainment"] == pytest.approx(1 / 3) and res["long_slo_attainment"] == pytest.approx(1 / 2)
+    assert "slo_attainment" not in compute_metrics([ok(0.1, [], 1)], duration=1.0)

@@ -12,7 +12,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def result(label, rate="inf", concurrency=None, slow=1.0):
     rs = [RequestResult(prompt_len=16, output_tokens=4, ttft=0.05 * slow * (i + 1), itl=[0.01 * slow] * 3,
-                        latency=0.05 * slow * (i + 1) + 0.03 * slow, success=True) for i in range(8)]
+                        latency=0.05 * slow * (i + 1) + 0.03 * slow, success=True,
+                        slo_ms={"ttft": 200.0, "tpot": 20.0}) for i in range(8)]
     rs.append(RequestResult(prompt_len=16, error="HTTP 503: queue full"))
     return {"label": label, "request_rate": rate, "max_concurrency": concurrency, **compute_metrics(rs, 2.0 * slow)}
 
@@ -58,7 +59,8 @@ def test_report_writes_every_plot(tmp_path, capsys):
             t += row["duration"] + (1.0 if i == 40 else 0.001)   # one idle second
     out = tmp_path / "plots"
     assert main(["report", *files, "--step-log", str(steps), "--out", str(out)]) == 0
-    for name in ("latency_cdf.png", "latency_vs_rate.png", "throughput_vs_concurrency.png", "step_timeline.png"):
+    for name in ("latency_cdf.png", "latency_vs_rate.png", "attainment_vs_rate.png", "throughput_vs_concurrency.png",
+                 "step_timeline.png"):
         assert is_png(out / name), name
     assert "wrote" in capsys.readouterr().out
 

@@ -152,3 +152,21 @@ def test_command_quick(tiny_qwen2, tmp_path):
             assert frac == pytest.approx(r["flops"] / step / p) and frac > 0
         assert r["fraction_median"] == pytest.approx(sum(r["fraction"]) / 2)
     assert "side by side with a GEMM probe" in proc.stdout
+
+
+def test_command_cost_model(tiny_llama, tmp_path):
+    out = tmp_path / "cm.json"
+    cmd = [sys.executable, "-m", "pdserve", "roofline", "--cost-model", "--model", tiny_llama,
+           "--max-num-batched-tokens", "128", "--max-num-seqs", "8", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "step time = " in proc.stdout and "prefill tokens a step" in proc.stdout
+    data = json.loads(out.read_text())
+    cm = data["cost_model"]
+    assert cm["num_calibration"] >= 8 and cm["num_observed"] == 0
+    assert all(cm[f"{k}_s"] >= 0 for k in ("intercept", "tokens", "seqs", "attention_pairs"))
+    assert cm["intercept_s"] + cm["tokens_s"] > 0   # a step costs something
+    assert [p["step"] for p in data["predictions"]] == ["prefill 64", "prefill 128", "decode batch 1 at context 256",
+                                                        "decode batch 8 at context 256"]
+    caps = data["prefill_cap_by_tpot_ms"]
+    assert [caps[k] for k in ("25", "50", "100", "200")] == sorted(caps.values())   # looser target, more tokens
