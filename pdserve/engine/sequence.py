@@ -26,7 +26,7 @@ class Sequence:
     __slots__ = ("request_id", "seq_no", "token_ids", "prompt_token_ids", "num_prompt_tokens", "params", "status",
                  "num_computed_tokens", "prefill_len", "block_table", "metrics", "finish_reason", "stop_reason",
                  "logprobs", "argmax_only", "final_only", "stop_ids", "max_len", "generator", "detokenizer", "text",
-                 "sent_text_len", "text_tokens", "defer_text")
+                 "sent_text_len", "text_tokens", "defer_text", "stop_token_ids", "min_tokens_banned")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
         self.request_id = request_id
@@ -51,7 +51,11 @@ class Sequence:
         # set by OutputProcessor.new_sequence: the token ids that can stop it (eos unless ignored,
         # stop_token_ids) and the length it stops at (prompt + max_tokens)
         self.stop_ids: frozenset[int] | None = None
+        self.stop_token_ids: frozenset[int] | None = None   # params.stop_token_ids as a set
         self.max_len = 0
+        # the ids masked until min_tokens (stop ids within the vocabulary), as a tensor built once;
+        # None: the sampler builds it on first use (sequences not made by new_sequence)
+        self.min_tokens_banned: torch.Tensor | None = None
         # per-request RNG: a seeded request samples the same tokens whatever else is in the batch
         self.generator: torch.Generator | None = None
         # set by the OutputProcessor: generated text so far, and how much of it was streamed

@@ -24,6 +24,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_stop_strings: int = 16
     max_stop_length: int = 256           # characters per stop string
+    max_stop_token_ids: int = 256
     max_prompt_tokens: int | None = None  # None: the engine's own check against max_model_len
     max_tokens_cap: int | None = None     # None: whatever fits in the context
     max_n: int = 64
@@ -48,6 +49,8 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         self.config = config
         self.max_model_len = engine.max_model_len
+        # the longest sequence that can be served: the context, or the whole KV cache if smaller
+        self.max_seq_len = min(self.max_model_len, getattr(engine, "kv_capacity", self.max_model_len))
         self.metrics = ServerMetrics(config.step_log, config.served_model_name)
         self.step_events = StepEvents()
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
@@ -75,7 +78,10 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.config.served_model_name}`", param="model", code="model_not_found")
 
-    def check_stop(self, stop: list[str]) -> None:
+    def check_stop(self, stop: list[str], stop_token_ids: list[int] | None = None) -> None:
+        if stop_token_ids and len(stop_token_ids) > self.config.max_stop_token_ids:
+            raise RequestError(f"at most {self.config.max_stop_token_ids} stop_token_ids are allowed "
+                               f"(--max-stop-token-ids), got {len(stop_token_ids)}", param="stop_token_ids")
         if len(stop) > self.config.max_stop_strings:
             raise RequestError(f"at most {self.config.max_stop_strings} stop strings are allowed, got {len(stop)}",
                                param="stop")

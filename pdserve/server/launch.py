@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most stop strings one request may give (default: %(default)s)")
     g.add_argument("--max-stop-length", type=_at_least(1), default=256,
                    help="longest stop string, in characters (default: %(default)s)")
+    g.add_argument("--max-stop-token-ids", type=_at_least(0), default=256,
+                   help="most stop_token_ids one request may give (default: %(default)s)")
     g.add_argument("--max-prompt-tokens", type=_at_least(1), default=None,
                    help="longest prompt, in tokens; longer ones get 400 (default: the model's context length)")
     g.add_argument("--max-tokens-cap", type=_at_least(1), default=None,
@@ -151,7 +153,8 @@ def server_config(args: argparse.Namespace, model_name: str):
     from pdserve.server.admission import ServerConfig
     return ServerConfig(served_model_name=args.served_model_name or model_name, max_waiting=args.max_waiting,
                         max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
-                        max_stop_length=args.max_stop_length, max_prompt_tokens=args.max_prompt_tokens,
+                        max_stop_length=args.max_stop_length,
+                        max_stop_token_ids=args.max_stop_token_ids, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_cap=args.max_tokens_cap, max_n=args.max_n, max_logprobs=args.max_logprobs,
                         request_timeout=args.request_timeout, api_key=args.api_key or None, step_log=args.step_log,
                         max_request_cost=args.max_request_cost, allowed_hosts=allowed_hosts(args),

@@ -80,7 +80,7 @@ async def completions(body: CompletionRequest, request: Request):
     arrival = time.perf_counter()
     s = get_state(request)
     s.check_model(body.model)
-    s.check_stop(body.stop_list)
+    s.check_stop(body.stop_list, body.stop_token_ids)
     s.check_n(body.n)
     s.check_logprobs(body.logprobs, "logprobs")
     if body.echo and body.logprobs is not None:
@@ -176,7 +176,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     arrival = time.perf_counter()
     s = get_state(request)
     s.check_model(body.model)
-    s.check_stop(body.stop_list)
+    s.check_stop(body.stop_list, body.stop_token_ids)
     s.check_n(body.n)
     s.check_logprobs(body.top_logprobs, "top_logprobs")
     if body.top_logprobs is not None and not body.logprobs:
@@ -191,9 +191,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s.check_prompt_len([prompt], param="messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
-        # OpenAI's chat default: as many as fit in the context (and --max-tokens-cap). If the
-        # prompt alone is too long, asking for one token lets the engine report the lengths.
-        max_tokens = max(1, s.default_max_tokens(s.max_model_len - len(prompt)))
+        # OpenAI's chat default: as many as can be served, within the context and the KV cache
+        # (and --max-tokens-cap). If the prompt alone is too long, asking for one token lets the
+        # engine report the lengths.
+        max_tokens = max(1, s.default_max_tokens(s.max_seq_len - len(prompt)))
         max_tokens = s.cost_default(max_tokens, body.n, logprobs)   # and --max-request-cost
     else:
         s.check_max_tokens(max_tokens)
