@@ -73,6 +73,12 @@ def _head(request_id: str, object: str, s: ServerState) -> dict:
     return {"id": request_id, "object": object, "created": int(time.time()), "model": s.config.served_model_name}
 
 
+def _refuse_unsupported(body, fields: tuple[str, ...]) -> None:
+    for f in fields:
+        if getattr(body, f) is not None:
+            raise RequestError(f"{f} is not supported by this server", param=f)
+
+
 # ---- /v1/completions
 
 @router.post("/v1/completions")
@@ -80,6 +86,7 @@ async def completions(body: CompletionRequest, request: Request):
     arrival = time.perf_counter()
     s = get_state(request)
     s.check_model(body.model)
+    _refuse_unsupported(body, ("response_format",))
     s.check_stop(body.stop_list, body.stop_token_ids)
     s.check_n(body.n)
     s.check_logprobs(body.logprobs, "logprobs")
@@ -176,6 +183,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     arrival = time.perf_counter()
     s = get_state(request)
     s.check_model(body.model)
+    _refuse_unsupported(body, ("response_format", "tools", "tool_choice", "continue_final_message"))
     s.check_stop(body.stop_list, body.stop_token_ids)
     s.check_n(body.n)
     s.check_logprobs(body.top_logprobs, "top_logprobs")

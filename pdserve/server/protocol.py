@@ -41,6 +41,9 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    # Not supported yet: refused when given, not silently ignored.
+    response_format: Any = None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -115,6 +118,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    continue_final_message: Any = None
 
 
 # ---- the origin server's endpoints (field names are theirs)

@@ -60,3 +60,17 @@ def test_chat_default_max_tokens_is_what_the_cache_can_serve(small_cache):
                                        extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.total_tokens == 320   # the whole cache, not the whole context
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/chat/completions", "continue_final_message", True),
+])
+def test_unsupported_fields_are_refused_not_ignored(server, path, field, value):
+    body = {**(CHAT if "chat" in path else OK), field: value}
+    r = httpx.post(server.url + path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert "not supported" in r.json()["error"]["message"]
