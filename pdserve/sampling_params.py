@@ -2,6 +2,7 @@
 import math
 from dataclasses import dataclass, field
 
+from pdserve.engine.grammar import GrammarSpec
 from pdserve.errors import RequestError
 
 
@@ -27,6 +28,7 @@ class SamplingParams:
     logprobs: int | None = None       # top-N logprobs per generated token (plus the sampled one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None   # constrained decoding (pdserve/engine/grammar.py)
     # Only the finished output, none per step (vLLM's RequestOutputKind.FINAL_ONLY): what
     # LLM.generate and non-streamed API responses read. Saves making an output per request and step.
     final_only: bool = False
@@ -76,6 +78,8 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             # torch's generator takes no more; a larger seed would fail the whole engine step
             bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            bad("grammar", f"must be a GrammarSpec, got {type(self.grammar).__name__}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):

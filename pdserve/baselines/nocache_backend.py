@@ -20,6 +20,7 @@ class NoCacheBackend(HFBackend):
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.device, self.config.seed)
+        self.sampler.grammars = self.processor.grammars
 
     @torch.inference_mode()
     def _step(self) -> list[RequestOutput]:

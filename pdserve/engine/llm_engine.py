@@ -35,6 +35,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.max_prefill_tokens_with_decodes)
         self.processor = OutputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        self.runner.sampler.grammars = self.processor.grammars
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.last_step: StepStats | None = None

@@ -5,6 +5,7 @@ The engine and the baseline backends share it, so every backend refuses, stops a
 by the same rules."""
 import torch
 
+from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.outputs import ListPrefix, RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import RequestError
@@ -17,6 +18,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
         tokenizer.byte_pieces()   # the detokenizers' table (~0.15 s for 150k ids): at start, not in a request
 
     def new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -42,7 +44,9 @@ class OutputProcessor:
         if n + m > limit:
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds this model's maximum "
                                f"context length of {limit} tokens", param="max_tokens")
+        matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
         seq = Sequence(request_id, ids, params, arrival_time)
+        seq.matcher = matcher
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         # what _check_stop looks for, folded: a token that can stop it, the length it stops at
         # (within the context limit: checked above)
@@ -72,7 +76,8 @@ class OutputProcessor:
         # Most tokens stop nothing: only a stop token id, the length limit or a stop string can
         # (sequences not made by new_sequence have no stop_ids: always checked in full).
         stop_ids = seq.stop_ids
-        if stop_ids is None or token in stop_ids or len(seq.token_ids) >= seq.max_len or seq.params.stop:
+        if (stop_ids is None or token in stop_ids or len(seq.token_ids) >= seq.max_len or seq.params.stop
+                or seq.matcher is not None):
             self._check_stop(seq, token, added)
             if seq.finish_reason is not None:
                 m.finished_time = now
@@ -89,6 +94,8 @@ class OutputProcessor:
                 reason, stop = "stop", token
             elif p.stop:
                 reason, stop = self._check_stop_strings(seq, added)
+        if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "stop"   # the grammar is complete and allows nothing more (even with ignore_eos)
         if reason is None and (num_output >= p.max_tokens or num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:

@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from pdserve.engine.grammar import apply_masks
 from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger("pdserve.engine")
@@ -31,6 +32,7 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)  # for requests without a seed
+        self.grammars = None   # the engine's GrammarCompiler, for constrained rows (Sequence.matcher)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: (len(seqs), V), modified in place (they are this step's scratch), needing no grad:
@@ -48,6 +50,9 @@ class Sampler:
         failed: set[int] = set()
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:   # first: penalties and sampling then see only what the grammar allows
+            self._apply_grammars(logits, seqs, constrained, failed)
         for i, s in enumerate(seqs):   # per row, in place
             try:
                 self._apply_penalties(logits, i, s)
@@ -60,6 +65,9 @@ class Sampler:
         if sample_rows:
             self._draw(logits, seqs, sample_rows, tokens, failed)
         token_list = tokens.tolist()
+        for i in constrained:
+            if i not in failed and not seqs[i].matcher.consume_token(token_list[i]):
+                self._failed(seqs[i], failed, i, seqs[i].matcher.get_error())
         logprobs = self._logprobs(raw_logprobs, seqs, token_list, failed)
         for i in failed:
             token_list[i] = None
@@ -90,9 +98,25 @@ class Sampler:
                 return
 
     @staticmethod
-    def _failed(seq: Sequence, failed: set[int], i: int) -> None:
-        log.exception("sampling failed for request %s; only it fails", seq.request_id)
+    def _failed(seq: Sequence, failed: set[int], i: int, why: str | None = None) -> None:
+        if why is None:
+            log.exception("sampling failed for request %s; only it fails", seq.request_id)
+        else:
+            log.error("sampling failed for request %s; only it fails: %s", seq.request_id, why)
         failed.add(i)
+
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], failed: set[int]) -> None:
+        """-inf for the tokens each constrained row's grammar does not allow next."""
+        try:
+            masks = self.grammars.fill_masks([seqs[i].matcher for i in rows])
+            apply_masks(logits, rows, masks)
+        except Exception:   # an API misuse, not a grammar error (those leave the matcher in error)
+            for i in rows:
+                self._failed(seqs[i], failed, i)
+            return
+        for i in rows:
+            if seqs[i].matcher.is_error():
+                self._failed(seqs[i], failed, i, seqs[i].matcher.get_error())
 
     def _exponential(self, seq: Sequence, n: int) -> torch.Tensor:
         if seq.params.seed is not None and seq.generator is None:

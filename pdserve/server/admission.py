@@ -32,6 +32,7 @@ class ServerConfig:
     max_request_cost: int = 1 << 17       # prompts x n x max_tokens x (1 + logprobs) of one request
     request_timeout: float | None = None  # seconds from arrival; None: no limit
     api_key: str | None = None
+    tool_call_parser: str | None = None   # pdserve/server/tool_parsers.py; None: tool_choice "auto" is refused
     step_log: str | None = None   # JSONL file: one line per engine step (for `pdserve report`)
     allowed_hosts: list[str] | None = None   # Host header names accepted; None: any
     cors_origins: list[str] = field(default_factory=list)   # empty: no CORS headers at all
@@ -161,13 +162,14 @@ class ServerState:
             return [self.tokenizer.encode(t) for t in texts]
         return await self.offload(lambda: [self.tokenizer.encode(t) for t in texts])
 
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The chat template's tokens; the template is rendered off the event loop when the text is long."""
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """The chat template's tokens (kwargs, e.g. tools, go to the template); the template is
+        rendered off the event loop when the text is long."""
         self.check_prompt_chars(["".join(m["content"] for m in messages)], "messages")
 
         def render():
             try:
-                return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+                return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
             except ValueError as e:
                 raise RequestError(str(e), param="messages") from None
         if sum(len(m["content"]) for m in messages) <= OFFLOAD_CHARS:

@@ -16,6 +16,7 @@ import uvicorn
 
 from pdserve.engine.args import DEFAULT_MODEL, add_engine_args, check_engine_args, engine_kwargs
 from pdserve.errors import ConfigError
+from pdserve.server.tool_parsers import PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most token entries one request may make the server generate and send: prompts x n x "
                         "max_tokens x (1 + logprobs); over it a request gets 400, and defaults are lowered to "
                         "fit (default: %(default)s)")
+    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="how answers become tool_calls with tool_choice \"auto\": hermes (= qwen2.5: "
+                        "<tool_call> blocks) or llama3_json (default: none; \"auto\" is then refused, "
+                        "\"required\" and named functions work without one)")
     g.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="abort a request still unfinished this long after it arrived and free its KV blocks; "
                         "the client gets 504 request_timeout, or an error event in a stream (default: none)")
@@ -159,7 +164,8 @@ def server_config(args: argparse.Namespace, model_name: str):
                         request_timeout=args.request_timeout, api_key=args.api_key or None, step_log=args.step_log,
                         max_request_cost=args.max_request_cost, allowed_hosts=allowed_hosts(args),
                         cors_origins=args.allowed_origins, cors_methods=args.allowed_methods,
-                        cors_headers=args.allowed_headers, cors_credentials=args.allow_credentials)
+                        cors_headers=args.allowed_headers, cors_credentials=args.allow_credentials,
+                        tool_call_parser=args.tool_call_parser)
 
 
 class _Server(uvicorn.Server):
