@@ -5,6 +5,7 @@ attention groups; execute() runs one forward under the attention context, comput
 for the sequences whose scheduled tokens reach their end (a finished prefill or a decode), and
 samples their next tokens."""
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -47,6 +48,7 @@ class ModelRunner:
         self.sliding_window = model_config.sliding_window
         self.last_forward_time = 0.0
         self.last_times: dict[str, float] = {}
+        self._masks: ThreadPoolExecutor | None = None   # started by the first constrained request
 
     def _pack_linears(self) -> str:
         """Swap the linears onto the CPU packed kernel where it helps and builds; the format used."""
@@ -132,6 +134,9 @@ class ModelRunner:
         Times its phases into last_times (prepare, forward, sample), in seconds."""
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_rows, sample_seqs = self.prepare(sched)
+        # the grammar masks of the constrained rows, computed while the forward runs
+        matchers = [s.matcher for s in sample_seqs if s.matcher is not None]
+        masks = self._mask_pool().submit(self.sampler.grammars.fill_masks, matchers) if matchers else None
         t1 = self._now()
         with attention_context(meta):
             hidden = self.model(input_ids, positions)
@@ -149,10 +154,15 @@ class ModelRunner:
         if tokens is not None:
             result = list(zip(sample_seqs, tokens.tolist(), [None] * len(sample_seqs)))
         elif logits is not None:
-            tokens, logprobs = self.sampler(logits, sample_seqs)
+            tokens, logprobs = self.sampler(logits, sample_seqs, masks)
             result = list(zip(sample_seqs, tokens, logprobs))
         self.last_times = {"prepare": t1 - t0, "forward": t2 - t1, "sample": self._now() - t2}
         return result
+
+    def _mask_pool(self) -> ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        return self._masks
 
     def _now(self) -> float:
         if self.device.type == "cuda":   # kernels are asynchronous: wait, or time lands in the wrong phase

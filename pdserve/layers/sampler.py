@@ -5,6 +5,7 @@ top-p, min-p and a draw. Draws use the exponential race (argmax of p / Exp(1) no
 can take its noise from its own generator: a seeded request samples the same tokens whatever else
 is in the batch. Logprobs are those of the raw model distribution."""
 import logging
+from concurrent.futures import Future
 
 import torch
 
@@ -34,10 +35,12 @@ class Sampler:
         self.generator = torch.Generator(device).manual_seed(seed)  # for requests without a seed
         self.grammars = None   # the engine's GrammarCompiler, for constrained rows (Sequence.matcher)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: "Future | None" = None
+                 ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: (len(seqs), V), modified in place (they are this step's scratch), needing no grad:
         callers run in inference mode (a no_grad decorator here costs 1.7 us warm, more between two
-        forwards, where this runs on cold caches)."""
+        forwards, where this runs on cold caches). masks: the grammar masks of the constrained
+        rows, in order, if the caller started computing them (GrammarCompiler.fill_masks)."""
         if logits.dtype != torch.float32:
             logits = logits.float()
         if all(s.argmax_only for s in seqs):
@@ -52,7 +55,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained:   # first: penalties and sampling then see only what the grammar allows
-            self._apply_grammars(logits, seqs, constrained, failed)
+            self._apply_grammars(logits, seqs, constrained, failed, masks)
         for i, s in enumerate(seqs):   # per row, in place
             try:
                 self._apply_penalties(logits, i, s)
@@ -105,10 +108,11 @@ class Sampler:
             log.error("sampling failed for request %s; only it fails: %s", seq.request_id, why)
         failed.add(i)
 
-    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], failed: set[int]) -> None:
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], failed: set[int],
+                        masks: "Future | None") -> None:
         """-inf for the tokens each constrained row's grammar does not allow next."""
         try:
-            masks = self.grammars.fill_masks([seqs[i].matcher for i in rows])
+            masks = masks.result() if masks is not None else self.grammars.fill_masks([seqs[i].matcher for i in rows])
             apply_masks(logits, rows, masks)
         except Exception:   # an API misuse, not a grammar error (those leave the matcher in error)
             for i in rows:
