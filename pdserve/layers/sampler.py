@@ -68,9 +68,12 @@ class Sampler:
         if sample_rows:
             self._draw(logits, seqs, sample_rows, tokens, failed)
         token_list = tokens.tolist()
-        for i in constrained:
-            if i not in failed and not seqs[i].matcher.consume_token(token_list[i]):
-                self._failed(seqs[i], failed, i, seqs[i].matcher.get_error())
+        for i in constrained:   # each grammar advances by its row's token
+            try:
+                if i not in failed and not seqs[i].matcher.consume_token(token_list[i]):
+                    self._failed(seqs[i], failed, i, seqs[i].matcher.get_error())
+            except Exception:
+                self._failed(seqs[i], failed, i)
         logprobs = self._logprobs(raw_logprobs, seqs, token_list, failed)
         for i in failed:
             token_list[i] = None

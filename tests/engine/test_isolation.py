@@ -114,3 +114,19 @@ def test_stop_token_ids_must_fit_a_tensor():
     with pytest.raises(RequestError) as e:
         SamplingParams(stop_token_ids=[5, 2**63])
     assert e.value.param == "stop_token_ids"
+
+
+def test_stop_token_ids_are_a_set_and_a_tensor_built_once(tiny_llama):
+    engine = make_engine(tiny_llama)
+    ids = list(range(900, 1400))   # a long list (the server caps it: --max-stop-token-ids)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=6, min_tokens=4, temperature=0,
+                                                      stop_token_ids=ids))
+    seq = engine.seqs["a"]
+    banned = seq.min_tokens_banned
+    assert isinstance(seq.stop_token_ids, frozenset) and len(seq.stop_token_ids) == len(ids)
+    assert sorted(banned.tolist()) == sorted(set(ids) | set(engine.tokenizer.eos_token_ids))
+    for _ in range(3):
+        engine.step()
+        assert seq.min_tokens_banned is banned   # not rebuilt per step
+    out = run(engine, [])["a"]
+    assert not set(out.token_ids[:4]) & set(ids)
