@@ -128,3 +128,15 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> N
     else:
         idx = torch.tensor(rows, device=logits.device)
         logits[idx] = logits[idx].masked_fill_(banned, float("-inf"))
+
+
+def forced_tokens(masks: torch.Tensor) -> list[int | None]:
+    """Per row: the one token its mask allows, or None (zero or several allowed). In a JSON
+    schema many steps are forced (keys, punctuation): those rows need no logits at all."""
+    words = masks.numpy().view(np.uint32)
+    counts = np.bitwise_count(words).sum(axis=1)
+    out: list[int | None] = [None] * len(counts)
+    for r in np.flatnonzero(counts == 1):
+        w = int(np.flatnonzero(words[r])[0])
+        out[r] = w * 32 + int(words[r, w]).bit_length() - 1
+    return out

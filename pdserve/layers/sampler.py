@@ -5,7 +5,6 @@ top-p, min-p and a draw. Draws use the exponential race (argmax of p / Exp(1) no
 can take its noise from its own generator: a seeded request samples the same tokens whatever else
 is in the batch. Logprobs are those of the raw model distribution."""
 import logging
-from concurrent.futures import Future
 
 import torch
 
@@ -35,12 +34,12 @@ class Sampler:
         self.generator = torch.Generator(device).manual_seed(seed)  # for requests without a seed
         self.grammars = None   # the engine's GrammarCompiler, for constrained rows (Sequence.matcher)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: "Future | None" = None
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: torch.Tensor | None = None
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: (len(seqs), V), modified in place (they are this step's scratch), needing no grad:
         callers run in inference mode (a no_grad decorator here costs 1.7 us warm, more between two
         forwards, where this runs on cold caches). masks: the grammar masks of the constrained
-        rows, in order, if the caller started computing them (GrammarCompiler.fill_masks)."""
+        rows, in order, if the caller computed them (GrammarCompiler.fill_masks)."""
         if logits.dtype != torch.float32:
             logits = logits.float()
         if all(s.argmax_only for s in seqs):
@@ -79,6 +78,18 @@ class Sampler:
             token_list[i] = None
         return token_list, logprobs
 
+    def take_forced(self, seq: Sequence, token: int) -> int | None:
+        """A row its grammar forces to one token (it skipped the logits): the grammar takes it;
+        None (that request fails alone) if it cannot."""
+        try:
+            if seq.matcher.consume_token(token):
+                return token
+            why = seq.matcher.get_error()
+        except Exception as e:
+            why = repr(e)
+        log.error("sampling failed for request %s; only it fails: %s", seq.request_id, why)
+        return None
+
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor,
               failed: set[int]) -> None:
         """Sample `rows` into tokens; logits are left as they are. Each row's noise is drawn once
@@ -112,10 +123,10 @@ class Sampler:
         failed.add(i)
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], failed: set[int],
-                        masks: "Future | None") -> None:
+                        masks: torch.Tensor | None) -> None:
         """-inf for the tokens each constrained row's grammar does not allow next."""
         try:
-            masks = masks.result() if masks is not None else self.grammars.fill_masks([seqs[i].matcher for i in rows])
+            masks = masks if masks is not None else self.grammars.fill_masks([seqs[i].matcher for i in rows])
             apply_masks(logits, rows, masks)
         except Exception:   # an API misuse, not a grammar error (those leave the matcher in error)
             for i in rows:

@@ -42,7 +42,7 @@ def engine(tiny_llama):
 
 
 def test_outputs_match_their_grammar_greedy_and_sampled_among_free_requests(engine):
-    specs = {"json": JSON, "object": GrammarSpec("json_object"), "regex": GrammarSpec("regex", r"[a-z]{2,5}-\d{3}"),
+    specs = {"json": JSON, "object": GrammarSpec("json_object"), "regex": GrammarSpec("regex", r"[a-z]{2,5}-[0-9]{3}"),
              "choice": GrammarSpec("choice", json.dumps(["red", "green", "dark blue"])),
              "grammar": GrammarSpec("grammar", 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,3}/')}
     reqs = []
@@ -67,7 +67,7 @@ def test_outputs_match_their_grammar_greedy_and_sampled_among_free_requests(engi
         if kind == "json":
             jsonschema.validate(json.loads(out.text), SCHEMA)
         elif kind == "regex":
-            assert re.fullmatch(r"[a-z]{2,5}-\d{3}", out.text), out.text
+            assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", out.text), out.text
         elif kind == "choice":
             assert out.text in ("red", "green", "dark blue")
         else:
@@ -130,3 +130,19 @@ def test_a_matcher_error_fails_only_its_request(engine):
     finals = run(engine, [])
     assert {r: o.finish_reason for r, o in finals.items()} == {"bad": "error", "good": "stop", "free": "length"}
     jsonschema.validate(json.loads(finals["good"].text), SCHEMA)
+
+
+def test_rows_the_grammar_forces_skip_the_lm_head(engine, monkeypatch):
+    calls = []
+    real = engine.runner.model.compute_logits
+    monkeypatch.setattr(engine.runner.model, "compute_logits", lambda h: calls.append(h.shape[0]) or real(h))
+    only = GrammarSpec("choice", json.dumps(["the one and only answer"]))
+    finals = run(engine, [("f", "Hi", SamplingParams(max_tokens=50, temperature=1.0, seed=0, grammar=only))])
+    assert finals["f"].text == "the one and only answer" and finals["f"].finish_reason == "stop"
+    assert calls == []   # every step was forced: no logits at all
+    # with logprobs the logits are needed (and a forced token has all the mass)
+    calls.clear()
+    finals = run(engine, [("l", "Hi", SamplingParams(max_tokens=50, temperature=0, logprobs=1, grammar=only))])
+    out = finals["l"]
+    assert out.text == "the one and only answer" and len(calls) == len(out.token_ids)
+    assert all(lp is not None for lp in out.logprobs)

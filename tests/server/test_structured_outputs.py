@@ -80,7 +80,7 @@ def test_json_object_regex_choice_and_grammar(client, model):
     if r[0][1] == "stop":
         assert isinstance(json.loads(r[0][0]), dict)
     for body, check in [
-        ({"structured_outputs": {"regex": r"[A-Z][a-z]{2,6} \d{4}"}}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,6} \d{4}", t)),
+        ({"structured_outputs": {"regex": r"[A-Z][a-z]{2,6} [0-9]{4}"}}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,6} [0-9]{4}", t)),
         ({"guided_regex": r"(yes|no)!"}, lambda t: t in ("yes!", "no!")),
         ({"structured_outputs": {"choice": ["alpha", "beta", "gamma ray"]}}, lambda t: t in ("alpha", "beta", "gamma ray")),
         ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
