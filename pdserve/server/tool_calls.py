@@ -103,7 +103,7 @@ def _parameters(fn: FunctionDef) -> dict:
 
 
 def _json(schema: dict, param: str) -> GrammarSpec:
-    return GrammarSpec("json", json.dumps(schema, sort_keys=True), param)
+    return GrammarSpec("json", json.dumps(schema), param)
 
 
 def template_message(m: dict) -> dict:

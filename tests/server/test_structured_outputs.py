@@ -126,3 +126,12 @@ def test_bad_constraints_are_a_400_naming_the_field(server, path, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_properties_come_in_the_schema_order(client, model):
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "integer", "maximum": 9},
+                                               "mid": {"type": "boolean"}},
+              "required": ["zeta", "alpha", "mid"], "additionalProperties": False}
+    text, finish = chat(client, model, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "o", "schema": schema}})[0]
+    assert finish == "stop" and list(json.loads(text)) == ["zeta", "alpha", "mid"]
