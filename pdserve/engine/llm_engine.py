@@ -48,6 +48,7 @@ class LLMEngine:
                     c.block_size, self.runner.num_blocks * self.runner.bytes_per_block / 2**20,
                     "on" if c.enable_prefix_caching else "off")
         self.processor = OutputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        self.runner.sampler.grammars = self.processor.grammars
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.last_step: StepStats | None = None
@@ -65,7 +66,7 @@ class LLMEngine:
         seq = self.processor.new_sequence(request_id, prompt, params,
                                           time.perf_counter() if arrival_time is None else arrival_time)
         n, m = seq.num_prompt_tokens, params.max_tokens
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        capacity = self.kv_capacity
         if n + m > capacity:
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds the whole KV cache "
                                f"({capacity} tokens)", param="max_tokens")
@@ -79,6 +80,11 @@ class LLMEngine:
             raise SLOUnattainable(why)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    @property
+    def kv_capacity(self) -> int:
+        """The longest sequence (prompt + max_tokens) the whole KV cache holds, in tokens."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
 
     def abort_request(self, request_id: str) -> None:
         """Free everything the request holds; its final output comes from the next step()."""
@@ -118,13 +124,26 @@ class LLMEngine:
             sampled = self.runner.execute(sched)
             self.scheduler.mark_computed(sched)
             now = time.perf_counter()
+            failed = []
             for seq, token, logprobs in sampled:
-                self.processor.append_token(seq, token, logprobs, now)
-                if seq.finish_reason is not None:
-                    self.scheduler.finish(seq, seq.finish_reason)   # frees its blocks in this step
-                    outputs.append(self._finish(seq, token))
-                elif not seq.final_only:
-                    outputs.append(self.processor.make_output(seq, [token]))
+                # One request's failure here (its sampling: token None; detokenizing, stop checks)
+                # fails it alone; the others of the step go on.
+                try:
+                    if token is None:
+                        raise RuntimeError("its sampling failed")
+                    self.processor.append_token(seq, token, logprobs, now)
+                    if seq.finish_reason is None:
+                        if not seq.final_only:
+                            outputs.append(self.processor.make_output(seq, [token]))
+                        continue
+                except Exception:
+                    logger.exception("request %s failed in this step; only it fails", seq.request_id)
+                    failed.append(seq)
+                    continue
+                self.scheduler.finish(seq, seq.finish_reason)   # frees its blocks in this step
+                outputs.append(self._finish(seq, token))
+            if failed:
+                self._fail(failed, outputs)
         except Exception:
             # Whatever failed (scheduling, forward, sampling, detokenizing, stop checks), only the
             # requests in this step fail; the engine keeps serving. If scheduling itself failed,
@@ -189,7 +208,15 @@ class LLMEngine:
             outputs.append(self._finish(seq, None))
 
     def _finish(self, seq: Sequence, token: int | None) -> RequestOutput:
+        """The final output of a sequence the scheduler has finished. If making it fails, the
+        request still gets one, an error, rather than none."""
         del self.seqs[seq.request_id]
-        if seq.final_only:   # its only output: everything is new
-            return self.processor.make_output(seq, seq.output_token_ids)
-        return self.processor.make_output(seq, [] if token is None else [token])
+        try:
+            if seq.final_only:   # its only output: everything is new
+                return self.processor.make_output(seq, seq.output_token_ids)
+            return self.processor.make_output(seq, [] if token is None else [token])
+        except Exception:
+            logger.exception("the final output of request %s failed", seq.request_id)
+            seq.finish_reason, seq.stop_reason = "error", None
+            return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.text, [], "",
+                                 None, True, "error", seq.metrics, None)
