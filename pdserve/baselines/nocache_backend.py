@@ -12,7 +12,7 @@ import torch
 
 from pdserve.baselines.backend import HFBackend
 from pdserve.engine.outputs import RequestOutput, StepStats
-from pdserve.layers.sampler import Sampler
+from pdserve.engine.sampler import Sampler
 
 
 class NoCacheBackend(HFBackend):

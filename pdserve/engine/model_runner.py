@@ -17,7 +17,7 @@ from pdserve.kernels import cpu_ops
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
 from pdserve.layers.layernorm import RMSNorm
-from pdserve.layers.sampler import Sampler
+from pdserve.engine.sampler import Sampler
 from pdserve.layers.packed_linear import PackedLinear, pack_model
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.loader import embed_module_name, load_model

@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import RequestError
-from pdserve.layers.sampler import Sampler
+from pdserve.engine.sampler import Sampler
 from pdserve.sampling_params import SamplingParams
 
 POISON = "poison"
