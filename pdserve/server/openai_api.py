@@ -7,6 +7,7 @@ engine request `{id}-{i}`. Each choice carries its phase timings as the extensio
 import json
 import math
 import time
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -152,38 +153,63 @@ async def _completion_response(s, body, sub, head, prompts, echo) -> Response:
     return await _json_response(s, choices, body.logprobs, build)
 
 
-async def _completion_events(s, body, sub, head, prompts, echo):
+async def stream_choices(sub, head: dict, opening: list[dict], choices_of, usage_of) -> AsyncIterator[str]:
+    """The SSE stream completions and chat share: the opening choices, then for every engine
+    output the choices `choices_of(out, i)` makes of it (i: its choice index), then the usage
+    (`usage_of(finals)`, None: not asked for), then [DONE]. An API error ends the stream with an
+    error event; a client that leaves early frees the KV blocks (sub.cancel)."""
     try:
-        # per choice, for logprobs' text_offset: advanced by each token's own text, as the
-        # non-streamed response counts it (a token's text and the stream's text differ when
-        # tokens split a character)
-        offsets = [len(e) for e in echo]
-        for i, text in enumerate(echo):
-            if text:
-                yield sse({**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]})
-        generated, finals = 0, [None] * len(sub.request_ids)
+        for choice in opening:
+            yield sse({**head, "choices": [choice]})
+        finals = [None] * len(sub.request_ids)
         async for out in sub.outputs():
             i = sub.index[out.request_id]
-            choice = {"index": i, "text": out.new_text, "logprobs": None, "finish_reason": None}
-            if body.logprobs is not None and out.new_token_ids:
-                choice["logprobs"] = completion_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
-                                                         body.logprobs, offsets[i])
-                offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
             if out.finished:
-                choice.update(_ending(out))
-                generated += len(out.token_ids)
                 finals[i] = out
-            # one event per new token, even when its text is still empty (part of a character,
-            # or held back as a possible stop string), as vLLM does: clients time tokens by events
-            if out.new_token_ids or out.new_text or out.finished:
+            for choice in choices_of(out, i):
                 yield sse({**head, "choices": [choice]})
-        if body.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(prompts, generated, _cached(finals, body.n))})
+        usage = usage_of(finals)
+        if usage is not None:
+            yield sse({**head, "choices": [], "usage": usage})
     except APIError as e:
         yield sse(error_body(e.message, e.type, e.param, e.code))
     finally:
-        sub.cancel()   # a no-op unless the client left early: then it frees the KV blocks
+        sub.cancel()   # a no-op unless the client left early
     yield DONE
+
+
+def _has_news(out: RequestOutput) -> bool:
+    # one event per new token, even when its text is still empty (part of a character, or held
+    # back as a possible stop string), as vLLM does: clients time tokens by events
+    return bool(out.new_token_ids or out.new_text or out.finished)
+
+
+def _stream_usage(body, prompts: list[list[int]]):
+    def usage_of(finals: list[RequestOutput | None]) -> dict | None:
+        if not body.include_usage:
+            return None
+        return _usage(prompts, sum(len(f.token_ids) for f in finals if f is not None), _cached(finals, body.n))
+    return usage_of
+
+
+def _completion_events(s, body, sub, head, prompts, echo):
+    # per choice, for logprobs' text_offset: advanced by each token's own text, as the
+    # non-streamed response counts it (a token's text and the stream's text differ when
+    # tokens split a character)
+    offsets = [len(e) for e in echo]
+
+    def choices_of(out: RequestOutput, i: int):
+        choice = {"index": i, "text": out.new_text, "logprobs": None, "finish_reason": None}
+        if body.logprobs is not None and out.new_token_ids:
+            choice["logprobs"] = completion_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
+                                                     body.logprobs, offsets[i])
+            offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
+        if out.finished:
+            choice.update(_ending(out))
+        return [choice] if _has_news(out) else []
+
+    opening = [{"index": i, "text": text, "logprobs": None, "finish_reason": None} for i, text in enumerate(echo) if text]
+    return stream_choices(sub, head, opening, choices_of, _stream_usage(body, prompts))
 
 
 # ---- /v1/chat/completions
@@ -259,41 +285,28 @@ async def _chat_response(s, body, sub, head, prompt, tools) -> Response:
     return await _json_response(s, choices, k if body.logprobs else None, build)
 
 
-async def _chat_events(s, body, sub, head, prompt, tools):
-    try:
-        streams = [tool_calls.ToolStream(tools) if tools.mode != "none" else None for _ in range(body.n)]
-        for i in range(body.n):
-            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
-        generated, finals = 0, [None] * len(sub.request_ids)
-        async for out in sub.outputs():
-            i = sub.index[out.request_id]
-            if streams[i] is None:
-                deltas = [{"content": out.new_text}] if out.new_text else []
-            else:
-                deltas = streams[i].deltas(out.new_text, out.finished, out.finish_reason)
-            choice = {"index": i, "delta": deltas[-1] if deltas else {}, "logprobs": None, "finish_reason": None}
-            if body.logprobs and out.new_token_ids:
-                choice["logprobs"] = {"content": chat_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
-                                                               body.top_logprobs or 0)}
-            if out.finished:
-                ending = _ending(out)
-                choice.update(ending if streams[i] is None else _tool_finish(ending, streams[i].has_calls()))
-                generated += len(out.token_ids)
-                finals[i] = out
-            for d in deltas[:-1]:   # a finished answer's tool calls: one event each
-                yield sse({**head, "choices": [{"index": i, "delta": d, "logprobs": None, "finish_reason": None}]})
-            # one event per new token, even when its text is still empty (part of a character,
-            # or held back as a possible stop string), as vLLM does: clients time tokens by events
-            if out.new_token_ids or out.new_text or out.finished:
-                yield sse({**head, "choices": [choice]})
-        if body.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage([prompt], generated, _cached(finals, body.n))})
-    except APIError as e:
-        yield sse(error_body(e.message, e.type, e.param, e.code))
-    finally:
-        sub.cancel()
-    yield DONE
+def _chat_events(s, body, sub, head, prompt, tools):
+    streams = [tool_calls.ToolStream(tools) if tools.mode != "none" else None for _ in range(body.n)]
+
+    def choices_of(out: RequestOutput, i: int):
+        if streams[i] is None:
+            deltas = [{"content": out.new_text}] if out.new_text else []
+        else:
+            deltas = streams[i].deltas(out.new_text, out.finished, out.finish_reason)
+        # a finished answer's tool calls: one event each, before the last delta
+        events = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas[:-1]]
+        choice = {"index": i, "delta": deltas[-1] if deltas else {}, "logprobs": None, "finish_reason": None}
+        if body.logprobs and out.new_token_ids:
+            choice["logprobs"] = {"content": chat_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
+                                                           body.top_logprobs or 0)}
+        if out.finished:
+            ending = _ending(out)
+            choice.update(ending if streams[i] is None else _tool_finish(ending, streams[i].has_calls()))
+        return events + ([choice] if _has_news(out) else [])
+
+    opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+               for i in range(body.n)]
+    return stream_choices(sub, head, opening, choices_of, _stream_usage(body, [prompt]))
 
 
 # ---- /v1/models
