@@ -12,6 +12,10 @@ cases for every operation, both ones that fit the schema (positive) and ones tha
 - if not 2xx: OpenAI's error format, {"error": {"message": str, "type": str, "param": str | null,
   "code": str | int | null}}; an error event inside a stream likewise, and not a server_error.
 
+Then the hand-written hostile cases of hostile.py (lone surrogates in every text field, bodies
+not sent as JSON, a foreign Host, booleans as integers, 900 KB prompts, amplification) must each
+get their 4xx in that format on one keep-alive connection that stays open.
+
 At the end the server must still be alive, and idle: nothing running or waiting, no KV block in
 use. The summary is printed and written as JSON (default benchmarks/results/reliability/fuzz.json);
 `run_fuzz(model, ...)` is the same run as a function returning it.
@@ -28,6 +32,7 @@ import time
 import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks.hostile import check_refusals
 from benchmarks.soak import is_idle, wait_idle
 from pdserve.bench.servers import Server, free_port
 
@@ -140,6 +145,7 @@ def run_fuzz(model: str | None = None, num_cases: int = 1000, seed: int = 0, tim
                         fuzz_operation(op, mode, per_op if op in varied else 1, seed + rounds, server.base_url,
                                        timeout, record)
             rounds += 1
+        hostile = check_refusals(server.base_url)   # hand-written cases the generator does not make
         alive = server.proc.poll() is None and httpx.get(server.base_url + "/health", timeout=10).status_code == 200
         idle = wait_idle(server.base_url)
         log = open(server.log_path, encoding="utf-8", errors="replace").read()
@@ -148,6 +154,8 @@ def run_fuzz(model: str | None = None, num_cases: int = 1000, seed: int = 0, tim
     failures = []
     if problems:
         failures.append(f"{len(problems)} bad responses, e.g. {[p['problem'] for p in problems[:3]]}")
+    if hostile["problems"]:
+        failures.append(f"hostile cases: {hostile['problems'][:3]}")
     if not alive:
         failures.append("the server is not healthy after the fuzz")
     if not is_idle(idle):
@@ -162,6 +170,7 @@ def run_fuzz(model: str | None = None, num_cases: int = 1000, seed: int = 0, tim
         "hangs_or_transport_errors": statuses.get("None", 0),
         "non_openai_errors": sum("OpenAI" in p["problem"] or "event" in p["problem"] for p in problems),
         "problems": problems[:20], "slowest_case_s": round(slowest, 2), "kv_leak": not is_idle(idle),
+        "hostile_cases": hostile["cases"], "hostile_problems": hostile["problems"],
         "seconds": round(time.monotonic() - t_start, 1), "loadavg_at_end": os.getloadavg()[0],
     }
 

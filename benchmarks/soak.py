@@ -18,7 +18,9 @@ prompts of 1 to ~400 tokens and outputs of 1 to 200, greedy or sampled with a se
   point of difference: there fp32 rounding, which depends on the batch, may flip the choice
   (reported as near_tie_divergences);
 - once idle: no request running or waiting, no KV block in use;
-- the server's RSS is within 5% of its level after warm-up.
+- the server's RSS is within 5% of its level after warm-up;
+- all through the load, hostile clients (hostile.py) get their 4xx, on a connection that stays
+  open, and slow clients (4 at a time) are cut off.
 
 The summary is printed and written as JSON (default benchmarks/results/reliability/soak.json).
 `run_soak(model, ...)` is the same run as a function returning the summary dict.
@@ -31,12 +33,14 @@ import random
 import re
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks.hostile import CASES as HOSTILE_CASES, check_refusals, slow_clients
 from pdserve.bench.servers import Server, free_port, scrape_metrics
 
 DEFAULT_OUT = os.path.join(HERE, "results", "reliability", "soak.json")
@@ -293,8 +297,20 @@ def run_soak(model: str | None = None, num_requests: int = 2000, concurrency: in
         before = scrape_metrics(server.base_url)
 
         t0 = time.monotonic()
+        # hostile clients all through the load: refused requests and slow connections (hostile.py)
+        stop, hostile = threading.Event(), {"rounds": 0, "problems": [], "slow": []}
+
+        def hostile_loop():
+            while not stop.is_set():
+                hostile["problems"] += check_refusals(server.base_url)["problems"]
+                hostile["slow"].append(asyncio.run(slow_clients(server.base_url, 4, give_up=60.0)))
+                hostile["rounds"] += 1
+        hostile_thread = threading.Thread(target=hostile_loop, daemon=True)
+        hostile_thread.start()
         outcomes = asyncio.run(run_jobs(server.base_url, jobs, concurrency, timeout))
         load_s = time.monotonic() - t0
+        stop.set()
+        hostile_thread.join()
         idle = wait_idle(server.base_url)
         rss_after_load = settled_rss(pid)
 
@@ -356,6 +372,10 @@ def summarize(r: dict) -> dict:
     rss_change = r["rss_end"] / r["rss_warm"] - 1
     if abs(rss_change) > RSS_TOLERANCE:
         failures.append(f"RSS {r['rss_warm']} kB after warm-up, {r['rss_end']} kB at the end ({rss_change:+.1%})")
+    hostile = r["hostile"]
+    if hostile["problems"] or any(s["still_open"] for s in hostile["slow"]):
+        failures.append(f"hostile clients: {hostile['problems'][:3]}, slow clients never cut off: "
+                        f"{sum(s['still_open'] for s in hostile['slow'])}")
     if "Traceback" in r["log"]:
         failures.append("the server log has a traceback: " + r["log"][r["log"].index("Traceback"):][:1500])
     aborted = sum(o.aborted for o in outcomes)
@@ -371,6 +391,10 @@ def summarize(r: dict) -> dict:
         "preemptions": preemptions, "verified": len(r["checked"]), "mismatches": len(mismatches),
         "near_tie_divergences": len(near_ties), "mismatch_examples": mismatches[:5],
         "near_tie_examples": near_ties[:5], "kv_leak": bool(leaks),
+        "hostile": {"rounds": hostile["rounds"], "refusal_cases": hostile["rounds"] * len(HOSTILE_CASES),
+                    "problems": hostile["problems"][:5],
+                    "slow_clients": sum(s["clients"] for s in hostile["slow"]),
+                    "slow_clients_never_cut": sum(s["still_open"] for s in hostile["slow"])},
         "idle_after_load": {k.split(":")[1]: idle[k] for k in
                             ("pdserve:num_requests_running", "pdserve:num_requests_waiting",
                              "pdserve:kv_cache_usage_perc")},

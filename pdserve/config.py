@@ -134,6 +134,9 @@ class EngineConfig:
                                       "(default: where they build); --no-cpu-kernels uses torch's ops")
     profile_steps: int | None = option(None, "log where engine steps spend their time (schedule, prepare, "
                                        "forward, sample, output) every N steps", min=0, metavar="N")
+    enable_prefix_caching: bool = option(
+        True, "keep the K/V of computed prompt blocks and reuse them for any request whose prompt starts with the "
+        "same tokens (a shared system prompt, a chat's history); --no-enable-prefix-caching turns it off")
     scheduling_policy: str = option("fcfs", "fcfs: arrival order; priority: by each request's priority (lower "
                                     "first), a waiting request may preempt lower-priority running ones; slo: "
                                     "prefills by TTFT slack, a step's prefill tokens sized to keep the tightest "
@@ -163,6 +166,8 @@ class EngineConfig:
         if not isinstance(self.max_prefill_tokens_with_decodes, int) or self.max_prefill_tokens_with_decodes < 0:
             raise ConfigError(f"max_prefill_tokens_with_decodes must be >= 0 (0 = no cap), "
                              f"got {self.max_prefill_tokens_with_decodes!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.scheduling_policy not in ("fcfs", "priority", "slo"):
             raise ConfigError(f"scheduling_policy must be fcfs, priority or slo, got {self.scheduling_policy!r}")
         if self.slo_admission not in ("serve", "reject"):

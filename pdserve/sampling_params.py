@@ -1,8 +1,14 @@
 """Per-request sampling parameters, validated before a request is admitted."""
+import math
 from dataclasses import dataclass, field
 
+from pdserve.engine.grammar import GrammarSpec
 from pdserve.errors import RequestError
 from pdserve.objectives import RequestObjectives
+
+
+# Bounds a tensor can hold whatever the model; admission checks against the vocabulary itself.
+MAX_TOP_K = MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass(slots=True)   # read per sequence in every step: slots, not a dict
@@ -23,9 +29,13 @@ class SamplingParams:
     logprobs: int | None = None       # top-N logprobs per generated token (plus the sampled one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None   # constrained decoding (pdserve/engine/grammar.py)
     # Only the finished output, none per step (vLLM's RequestOutputKind.FINAL_ONLY): what
     # LLM.generate and non-streamed API responses read. Saves making an output per request and step.
     final_only: bool = False
+    # Prefix-cache isolation (vLLM's cache_salt): requests share cached blocks only with requests of
+    # the same salt, so one tenant cannot learn from timing what another's prompts were.
+    cache_salt: str | None = None
     # priority and TTFT/TPOT targets, read by the scheduling policy (pdserve/engine/policy.py)
     objectives: RequestObjectives | None = None
 
@@ -42,14 +52,21 @@ class SamplingParams:
         def bad(param, why):
             raise RequestError(f"{param} {why}", param=param)
 
+        # Every float the sampler turns into a tensor must be a finite number: inf (JSON Infinity,
+        # 1e999) passes a range check like ">= 0" and then makes every probability NaN.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            # the vocabulary bounds it further, at admission (OutputProcessor.new_sequence)
+            bad("top_k", f"must be -1, 0 (off) or a positive integer up to the vocabulary size, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -66,13 +83,17 @@ class SamplingParams:
             bad("objectives", f"must be a RequestObjectives, got {type(self.objectives).__name__}")
         if not isinstance(self.final_only, bool):
             bad("final_only", f"must be true or false, got {self.final_only!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad("cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             # torch's generator takes no more; a larger seed would fail the whole engine step
             bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            bad("grammar", f"must be a GrammarSpec, got {type(self.grammar).__name__}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative integers")
+        if any(not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers (token ids)")
 
     @property
     def greedy(self) -> bool:

@@ -151,6 +151,11 @@ class Tokenizer:
                 text = text.replace(a, b)
         return text
 
+    def backend_json(self) -> str:
+        """tokenizer.json's text as loaded (with the special tokens added above): for libraries
+        that build their own view of the vocabulary (llguidance)."""
+        return self._tok.to_str()
+
     def byte_pieces(self, skip_special_tokens: bool = True) -> "_BytePieces | None":
         """{id: bytes} such that decode(ids) == b"".join(pieces[i] for i in ids).decode("utf-8",
         "replace"), where decode() is exactly that: a plain ByteLevel decoder (one lossy UTF-8

@@ -11,7 +11,7 @@ from pdserve.engine.outputs import RequestOutput, StepStats
 
 class GenerateBackend(HFBackend):
     name = "hf"
-    UNSUPPORTED = ("logprobs", "presence_penalty", "frequency_penalty")
+    UNSUPPORTED = ("logprobs", "presence_penalty", "frequency_penalty", "grammar")
 
     @torch.inference_mode()
     def _step(self) -> list[RequestOutput]:

@@ -12,7 +12,7 @@ import torch
 
 from pdserve.baselines.backend import HFBackend
 from pdserve.engine.outputs import RequestOutput, StepStats
-from pdserve.layers.sampler import Sampler
+from pdserve.engine.sampler import Sampler
 
 
 class NoCacheBackend(HFBackend):
@@ -20,6 +20,7 @@ class NoCacheBackend(HFBackend):
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.device, self.config.seed)
+        self.sampler.grammars = self.processor.grammars
 
     @torch.inference_mode()
     def _step(self) -> list[RequestOutput]:
@@ -34,6 +35,8 @@ class NoCacheBackend(HFBackend):
             self.num_model_calls += 1
             prefill_tokens += seq.num_tokens
             (token,), (logprobs,) = self.sampler(logits, [seq])
+            if token is None:   # the sampler failed this request (and logged why)
+                raise RuntimeError(f"sampling failed for request {seq.request_id}")
             self.processor.append_token(seq, token, logprobs, time.perf_counter())
             if seq.finish_reason is not None:
                 self.running.remove(seq)

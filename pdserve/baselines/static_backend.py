@@ -18,7 +18,7 @@ from pdserve.engine.outputs import RequestOutput, StepStats
 class StaticBackend(HFBackend):
     name = "static"
     # One generate() call has one set of sampling settings and one RNG for all rows.
-    UNSUPPORTED = ("logprobs", "presence_penalty", "frequency_penalty", "seed")
+    UNSUPPORTED = ("logprobs", "presence_penalty", "frequency_penalty", "seed", "grammar")
 
     def __init__(self, model: str, batch_size: int = 4, batch_wait_ms: float = 0.0, **kwargs):
         super().__init__(model, **kwargs)

@@ -35,7 +35,8 @@ class RequestResult:
     start_time: float = 0.0         # send time, seconds after the benchmark started
     success: bool = False
     error: str = ""
-    kind: str | None = None         # dataset label, e.g. "short" / "long"
+    kind: str | None = None         # dataset label, e.g. "short" / "long", "turn2"
+    cached_tokens: int | None = None   # the server's usage.prompt_tokens_details.cached_tokens, if given
     slo_ms: dict | None = None      # the targets it was sent with (--slo-mix): {"ttft": ms, "tpot": ms}
 
     @property
@@ -122,6 +123,15 @@ def latency_stats(results: list[RequestResult]) -> dict[str, float]:
             **stats_ms("e2el", [r.latency for r in ok])}
 
 
+def cache_stats(ok: list[RequestResult]) -> dict:
+    """Prompt tokens the server said it took from its prefix cache, over the requests that said so."""
+    told = [r for r in ok if r.cached_tokens is not None]
+    prompt = sum(r.prompt_len or 0 for r in told)
+    cached = sum(r.cached_tokens for r in told)
+    return {"total_cached_tokens": cached if told else None,
+            "prefix_cache_hit_rate": cached / prompt if told and prompt else None}
+
+
 def compute_metrics(results: list[RequestResult], duration: float, slos_ms: dict[str, float] | None = None) -> dict:
     """The result dict under vLLM's key names, plus per-request lists in send order."""
     ok = [r for r in results if r.success]
@@ -137,6 +147,7 @@ def compute_metrics(results: list[RequestResult], duration: float, slos_ms: dict
         "request_goodput": sum(meets_slos(r, slos_ms) for r in ok) / duration if slos_ms else None,
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
+        **cache_stats(ok),
         **latency_stats(results),
     }
     att = attainment(results)
@@ -153,6 +164,7 @@ def compute_metrics(results: list[RequestResult], duration: float, slos_ms: dict
         "output_lens": [r.output_tokens if r.success else 0 for r in results],
         "ttfts": [r.ttft if r.success else 0.0 for r in results],
         "itls": [r.itl if r.success else [] for r in results],
+        "cached_tokens": [r.cached_tokens for r in results],
         "errors": [r.error for r in results],
         "start_times": [r.start_time for r in results],
     })

@@ -20,7 +20,8 @@ import numpy as np
 # the first 20,000 characters of the story corpus (tools/corpus/stories.txt)
 POOL_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "stories.txt")
 POOL_TEXT_CHARS = 20000   # enough text for a few thousand distinct ids on a 150k vocabulary
-DATASETS = ("random", "shared-prefix", "long-short")
+DIALOGUES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "dialogues.jsonl")
+DATASETS = ("random", "shared-prefix", "long-short", "multi-turn")
 
 
 @dataclass
@@ -106,6 +107,17 @@ def long_short_requests(pool: list[int], n: int, short_len: int, long_len: int, 
     return reqs
 
 
+def multi_turn_conversations(n: int, num_turns: int, seed) -> list[list[str]]:
+    """n conversations of num_turns user messages each, the questions of the bundled dialogues
+    corpus drawn at random (the answers are the server's own, sent back as the history grows)."""
+    if num_turns < 1:
+        raise ValueError(f"--num-turns must be at least 1, got {num_turns}")
+    with open(DIALOGUES, encoding="utf-8") as f:
+        questions = [json.loads(line)[0]["content"] for line in f if line.strip()]
+    rng = np.random.default_rng(seed)
+    return [[questions[i] for i in rng.integers(0, len(questions), size=num_turns)] for _ in range(n)]
+
+
 def file_requests(path: str, n: int | None, default_output_len: int) -> list[BenchRequest]:
     """The first n lines of a JSONL file of {"prompt": text or token ids, "max_tokens"?: int}."""
     reqs = []
@@ -134,7 +146,9 @@ def add_dataset_arguments(parser) -> None:
     g = parser.add_argument_group("dataset")
     g.add_argument("--dataset-name", "--dataset", default="random", choices=DATASETS,
                    help="generated prompts (token ids): random lengths; groups sharing a system prompt; "
-                        "a few long prompts among short ones (default: %(default)s)")
+                        "a few long prompts among short ones; or multi-turn chats (/v1/chat/completions, "
+                        "each turn sent when the previous answer arrived, history growing; --num-prompts "
+                        "counts conversations) (default: %(default)s)")
     g.add_argument("--dataset-path", default=None, metavar="FILE.jsonl",
                    help='prompts from a file instead, one {"prompt": text or token ids, "max_tokens"?: N} '
                         "per line, sent in file order")
@@ -151,6 +165,9 @@ def add_dataset_arguments(parser) -> None:
                    help="shared-prefix: tokens of each group's shared system prompt (default: %(default)s)")
     g.add_argument("--num-prefix-groups", type=int, default=4,
                    help="shared-prefix: how many distinct shared prompts (default: %(default)s)")
+    g.add_argument("--num-turns", type=int, default=5,
+                   help="multi-turn: user turns per conversation; each answer is --random-output-len tokens "
+                        "(default: %(default)s)")
     g.add_argument("--long-input-len", type=int, default=768,
                    help="long-short: prompt tokens of the long requests (default: %(default)s)")
     g.add_argument("--long-fraction", type=float, default=0.1,

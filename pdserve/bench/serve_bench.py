@@ -26,7 +26,8 @@ import numpy as np
 
 from pdserve.bench import bench_metrics
 from pdserve.bench.bench_metrics import RequestResult
-from pdserve.bench.datasets import BenchRequest, add_dataset_arguments, fetch_token_pool, make_requests
+from pdserve.bench.datasets import (BenchRequest, add_dataset_arguments, fetch_token_pool, make_requests,
+                                    multi_turn_conversations)
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, seed) -> list[float]:
@@ -70,7 +71,7 @@ class StreamRecorder:
             return False
         if event.get("usage"):   # some servers repeat it on every chunk: the last one is the total
             self.usage = event["usage"]
-        if choices := event.get("choices"):   # a token chunk, even if its text is empty
+        if (choices := event.get("choices")) and self.takes(choices[0]):   # a token chunk, even if its text is empty
             if self.first is None:
                 self.first = now
             else:
@@ -81,6 +82,10 @@ class StreamRecorder:
                 return False
         return True
 
+    def takes(self, choice: dict) -> bool:
+        """Whether this chunk's choice carries a token (a completion chunk always does)."""
+        return True
+
     def result(self, prompt_len: int | None) -> RequestResult:
         error = self.error
         if not error and self.first is None:
@@ -89,9 +94,12 @@ class StreamRecorder:
             error = "no usage.completion_tokens in the stream (does the server support stream_options.include_usage?)"
         if error:
             return RequestResult(prompt_len=prompt_len, error=error)
+        details = self.usage.get("prompt_tokens_details")   # OpenAI's; absent from some servers
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return RequestResult(prompt_len=self.usage.get("prompt_tokens", prompt_len),
                              output_tokens=self.usage["completion_tokens"], ttft=self.first - self.sent,
-                             itl=self.itl, latency=self.last - self.sent, success=True)
+                             itl=self.itl, latency=self.last - self.sent, success=True,
+                             cached_tokens=cached if isinstance(cached, int) else None)
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, req: BenchRequest, headers: dict,
@@ -101,7 +109,17 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, req: BenchReques
     if objectives is not None:   # pdserve's (and vLLM's, for priority) request fields
         payload.update(priority=objectives["priority"],
                        slo={"ttft_ms": objectives["ttft"], "tpot_ms": objectives["tpot"]})
-    rec = StreamRecorder(time.perf_counter())
+    rec = await stream_post(client, url, payload, headers, StreamRecorder(time.perf_counter()))
+    result = rec.result(req.prompt_len)
+    result.start_time, result.kind = rec.sent - t0, req.kind
+    if objectives is not None:
+        result.slo_ms = {"ttft": objectives["ttft"], "tpot": objectives["tpot"]}
+    return result
+
+
+async def stream_post(client: httpx.AsyncClient, url: str, payload: dict, headers: dict,
+                      rec: StreamRecorder) -> StreamRecorder:
+    """POST a streamed request and feed its events to `rec`; a failure becomes rec.error."""
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
             if resp.status_code != 200:
@@ -115,11 +133,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, req: BenchReques
                         break
     except Exception as e:   # connection refused or reset, timeout, broken stream: a failed request
         rec.error = f"{type(e).__name__}: {e}"
-    result = rec.result(req.prompt_len)
-    result.start_time, result.kind = rec.sent - t0, req.kind
-    if objectives is not None:
-        result.slo_ms = {"ttft": objectives["ttft"], "tpot": objectives["tpot"]}
-    return result
+    return rec
 
 
 async def benchmark(args, url: str, body: dict, headers: dict, requests: list[BenchRequest],
@@ -183,7 +197,10 @@ def print_summary(res: dict, slos: dict) -> None:
         print(line("SLO goodput (req/s):", f"{res['slo_goodput']:.2f}"))
     print(line("Output token throughput (tok/s):", f"{res['output_throughput']:.2f}"))
     print(line("Total token throughput (tok/s):", f"{res['total_token_throughput']:.2f}"))
-    groups = [""] + [f"{k}_" for k in sorted({k for k in res.get("request_kinds", []) if k})]
+    rate = res.get("prefix_cache_hit_rate")
+    print(line("Prefix cache hit rate (usage):", "n/a (no cached_tokens)" if rate is None else f"{100 * rate:.1f}%"))
+    kinds = {k for k in res.get("request_kinds", []) if k and not k.startswith("turn")}   # turns: their own table
+    groups = [""] + [f"{k}_" for k in sorted(kinds)]
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         print("{:-^50}".format(title))
@@ -191,6 +208,9 @@ def print_summary(res: dict, slos: dict) -> None:
             for stat in ("mean", "median", "p90", "p99"):
                 label = f"{g.rstrip('_')} " if g else ""
                 print(line(f"{label}{stat.capitalize()} {name.upper()} (ms):", f"{res[f'{g}{stat}_{name}_ms']:.2f}"))
+    if res.get("turns"):
+        from pdserve.bench.multi_turn import print_turns   # (it imports this module)
+        print_turns(res)
     print("=" * 50)
     chunks = sum(len(itl) + 1 for itl, n in zip(res["itls"], res["output_lens"]) if n)
     if chunks < res["total_output_tokens"]:
@@ -253,6 +273,10 @@ def _setup(args, headers: dict) -> tuple[str, list[BenchRequest], list[BenchRequ
         r = httpx.get(args.base_url + "/v1/models", headers=headers, timeout=30)
         r.raise_for_status()
         model = r.json()["data"][0]["id"]
+    if args.dataset_name == "multi-turn" and not args.dataset_path:   # conversations, not requests
+        n = 100 if args.num_prompts is None else args.num_prompts
+        warmups = multi_turn_conversations(args.num_warmups, args.num_turns, [args.seed, 1]) if args.num_warmups else []
+        return model, multi_turn_conversations(n, args.num_turns, args.seed), warmups
     pool = None
     if not args.dataset_path:
         pool = list(range(args.vocab_size)) if args.vocab_size else fetch_token_pool(args.base_url, headers)
@@ -280,8 +304,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(requests)} requests ({args.dataset_path or args.dataset_name}) to {args.base_url} model {model}; "
           f"rate {args.request_rate}, burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
 
-    results, duration = asyncio.run(benchmark(args, args.base_url + "/v1/completions", body, headers,
-                                              requests, warmups))
+    if args.dataset_name == "multi-turn" and not args.dataset_path:
+        from pdserve.bench import multi_turn
+        results, duration = asyncio.run(multi_turn.benchmark(args, args.base_url + "/v1/chat/completions", body,
+                                                             headers, requests, warmups))
+    else:
+        results, duration = asyncio.run(benchmark(args, args.base_url + "/v1/completions", body, headers,
+                                                  requests, warmups))
     res = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "endpoint_type": "openai",
         "label": args.label, "model_id": model, "base_url": args.base_url, "num_prompts": len(requests),
@@ -291,6 +320,9 @@ def run(args: argparse.Namespace) -> int:
         "num_warmups": args.num_warmups, "goodput_slos_ms": slos or None,
         **bench_metrics.compute_metrics(results, duration, slos),
     }
+    if args.dataset_name == "multi-turn" and not args.dataset_path:
+        from pdserve.bench.multi_turn import turn_summary
+        res.update(num_turns=args.num_turns, **turn_summary(results))
     print_summary(res, slos)
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -33,8 +33,10 @@ class LLMEngine:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.runner = ModelRunner(self.model_config, self.config, self.max_model_len, self.tokenizer.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
         c = self.config
+        # the cache namespace: besides tokens and cache_salt, what makes a block's K/V what it is
+        namespace = (str(self.runner.dtype), c.quantization)
+        self.block_manager = BlockManager(self.runner.num_blocks, c.block_size, c.enable_prefix_caching, namespace)
         # the step-time model the slo policy schedules by: fitted here, refitted from every step
         self.cost_model = StepCostModel() if c.scheduling_policy == "slo" else None
         if self.cost_model is not None:
@@ -42,7 +44,11 @@ class LLMEngine:
         policy = make_policy(c.scheduling_policy, self.cost_model, c.max_num_batched_tokens, c.slo_admission)
         self.scheduler = Scheduler(self.block_manager, c.max_num_batched_tokens, c.max_num_seqs,
                                    c.max_prefill_tokens_with_decodes, policy)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); prefix caching %s", self.runner.num_blocks,
+                    c.block_size, self.runner.num_blocks * self.runner.bytes_per_block / 2**20,
+                    "on" if c.enable_prefix_caching else "off")
         self.processor = OutputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        self.runner.sampler.grammars = self.processor.grammars
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.last_step: StepStats | None = None
@@ -60,7 +66,7 @@ class LLMEngine:
         seq = self.processor.new_sequence(request_id, prompt, params,
                                           time.perf_counter() if arrival_time is None else arrival_time)
         n, m = seq.num_prompt_tokens, params.max_tokens
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        capacity = self.kv_capacity
         if n + m > capacity:
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds the whole KV cache "
                                f"({capacity} tokens)", param="max_tokens")
@@ -75,6 +81,11 @@ class LLMEngine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    @property
+    def kv_capacity(self) -> int:
+        """The longest sequence (prompt + max_tokens) the whole KV cache holds, in tokens."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
     def abort_request(self, request_id: str) -> None:
         """Free everything the request holds; its final output comes from the next step()."""
         seq = self.seqs.get(request_id)
@@ -88,8 +99,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def get_stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           self.block_manager.num_free_blocks, self.block_manager.num_blocks)
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_free_blocks,
+                           bm.num_blocks, bm.num_queries, bm.num_hits)
+
+    def reset_prefix_cache(self) -> dict:
+        """Forget the cached blocks no request holds (BlockManager.reset_prefix_cache)."""
+        return self.block_manager.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         outputs = [self._finish(seq, None) for seq in self._aborted]
@@ -106,16 +122,28 @@ class LLMEngine:
             if self.cost_model is not None:   # before the step advances num_computed_tokens
                 features = step_features(sched.num_tokens, [seq.num_computed_tokens for seq in sched.seqs])
             sampled = self.runner.execute(sched)
-            for seq, n in zip(sched.seqs, sched.num_tokens):
-                seq.num_computed_tokens += n
+            self.scheduler.mark_computed(sched)
             now = time.perf_counter()
+            failed = []
             for seq, token, logprobs in sampled:
-                self.processor.append_token(seq, token, logprobs, now)
-                if seq.finish_reason is not None:
-                    self.scheduler.finish(seq, seq.finish_reason)   # frees its blocks in this step
-                    outputs.append(self._finish(seq, token))
-                elif not seq.final_only:
-                    outputs.append(self.processor.make_output(seq, [token]))
+                # One request's failure here (its sampling: token None; detokenizing, stop checks)
+                # fails it alone; the others of the step go on.
+                try:
+                    if token is None:
+                        raise RuntimeError("its sampling failed")
+                    self.processor.append_token(seq, token, logprobs, now)
+                    if seq.finish_reason is None:
+                        if not seq.final_only:
+                            outputs.append(self.processor.make_output(seq, [token]))
+                        continue
+                except Exception:
+                    logger.exception("request %s failed in this step; only it fails", seq.request_id)
+                    failed.append(seq)
+                    continue
+                self.scheduler.finish(seq, seq.finish_reason)   # frees its blocks in this step
+                outputs.append(self._finish(seq, token))
+            if failed:
+                self._fail(failed, outputs)
         except Exception:
             # Whatever failed (scheduling, forward, sampling, detokenizing, stop checks), only the
             # requests in this step fail; the engine keeps serving. If scheduling itself failed,
@@ -180,7 +208,15 @@ class LLMEngine:
             outputs.append(self._finish(seq, None))
 
     def _finish(self, seq: Sequence, token: int | None) -> RequestOutput:
+        """The final output of a sequence the scheduler has finished. If making it fails, the
+        request still gets one, an error, rather than none."""
         del self.seqs[seq.request_id]
-        if seq.final_only:   # its only output: everything is new
-            return self.processor.make_output(seq, seq.output_token_ids)
-        return self.processor.make_output(seq, [] if token is None else [token])
+        try:
+            if seq.final_only:   # its only output: everything is new
+                return self.processor.make_output(seq, seq.output_token_ids)
+            return self.processor.make_output(seq, [] if token is None else [token])
+        except Exception:
+            logger.exception("the final output of request %s failed", seq.request_id)
+            seq.finish_reason, seq.stop_reason = "error", None
+            return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.text, [], "",
+                                 None, True, "error", seq.metrics, None)

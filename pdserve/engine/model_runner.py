@@ -5,17 +5,19 @@ attention groups; execute() runs one forward under the attention context, comput
 for the sequences whose scheduled tokens reach their end (a finished prefill or a decode), and
 samples their next tokens."""
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from pdserve import hugepages
 from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.grammar import forced_tokens
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kernels import cpu_ops
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
 from pdserve.layers.layernorm import RMSNorm
-from pdserve.layers.sampler import Sampler
+from pdserve.engine.sampler import Sampler
 from pdserve.layers.packed_linear import PackedLinear, pack_model
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.loader import embed_module_name, load_model
@@ -47,6 +49,7 @@ class ModelRunner:
         self.sliding_window = model_config.sliding_window
         self.last_forward_time = 0.0
         self.last_times: dict[str, float] = {}
+        self._masks: ThreadPoolExecutor | None = None   # started by the first constrained request
 
     def _pack_linears(self) -> str:
         """Swap the linears onto the CPU packed kernel where it helps and builds; the format used."""
@@ -132,27 +135,63 @@ class ModelRunner:
         Times its phases into last_times (prepare, forward, sample), in seconds."""
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_rows, sample_seqs = self.prepare(sched)
+        # the grammar masks of the constrained rows, computed while the forward runs
+        matchers = [s.matcher for s in sample_seqs if s.matcher is not None]
+        masks = self._mask_pool().submit(self.sampler.grammars.fill_masks, matchers) if matchers else None
         t1 = self._now()
         with attention_context(meta):
             hidden = self.model(input_ids, positions)
         logits = tokens = None
+        forced: dict[int, int] = {}
         if logit_rows:   # every row samples in a step of decodes only: no gather then
             hidden = hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows]
             # fp32 rows only: a bf16 model's logits without the decoder stack are rounded to bf16 first
             if self.fused_argmax and hidden.dtype == torch.float32 and all(s.argmax_only for s in sample_seqs):
                 tokens = self.model.compute_argmax(hidden)   # greedy: the tokens, without the logits
             else:
-                logits = self.model.compute_logits(hidden)
+                if masks is not None:
+                    masks, forced = self._forced(sample_seqs, masks)
+                rows = [i for i in range(len(sample_seqs)) if i not in forced]
+                if rows:
+                    logits = self.model.compute_logits(hidden if not forced else hidden[rows])
         t2 = self._now()
         self.last_forward_time = t2 - t1
         result = []
         if tokens is not None:
             result = list(zip(sample_seqs, tokens.tolist(), [None] * len(sample_seqs)))
-        elif logits is not None:
-            tokens, logprobs = self.sampler(logits, sample_seqs)
-            result = list(zip(sample_seqs, tokens, logprobs))
+        elif logits is not None or forced:
+            sampled = iter(())
+            if logits is not None:
+                seqs = [sample_seqs[i] for i in rows]
+                toks, lps = self.sampler(logits, seqs, masks)
+                sampled = zip(toks, lps)
+            result = [(seq, self.sampler.take_forced(seq, forced[i]), None) if i in forced else (seq, *next(sampled))
+                      for i, seq in enumerate(sample_seqs)]
         self.last_times = {"prepare": t1 - t0, "forward": t2 - t1, "sample": self._now() - t2}
         return result
+
+    def _forced(self, seqs, pending):
+        """The constrained rows' masks, and {row: token} for the rows whose grammar allows one
+        token and that need nothing else (no logprobs, no min_tokens mask): they skip the
+        lm_head. The masks returned are those of the other constrained rows, in order."""
+        try:
+            masks = pending.result()
+        except Exception:   # the sampler computes them again, and fails the rows that fail
+            return None, {}
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        forced = {}
+        for i, tok in zip(rows, forced_tokens(masks)):
+            s = seqs[i]
+            if tok is not None and s.params.logprobs is None and s.num_output_tokens >= s.params.min_tokens:
+                forced[i] = tok
+        if forced:
+            masks = masks[[k for k, i in enumerate(rows) if i not in forced]]
+        return masks, forced
+
+    def _mask_pool(self) -> ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        return self._masks
 
     def _now(self) -> float:
         if self.device.type == "cuda":   # kernels are asynchronous: wait, or time lands in the wrong phase

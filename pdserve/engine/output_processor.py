@@ -3,6 +3,9 @@ admission checks, incremental detokenization, stop conditions, timings, stream h
 
 The engine and the baseline backends share it, so every backend refuses, stops and streams
 by the same rules."""
+import torch
+
+from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.outputs import ListPrefix, RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import RequestError
@@ -15,6 +18,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
         tokenizer.byte_pieces()   # the detokenizers' table (~0.15 s for 150k ids): at start, not in a request
 
     def new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -30,6 +34,9 @@ class OutputProcessor:
                                    param="prompt")
         if not ids:
             raise RequestError("prompt is empty", param="prompt")
+        if params.top_k > self.vocab_size:
+            raise RequestError(f"top_k must be at most the vocabulary size ({self.vocab_size}), got {params.top_k}",
+                               param="top_k")
         n, m, limit = len(ids), params.max_tokens, self.max_model_len
         if n >= limit:
             raise RequestError(f"prompt has {n} tokens; this model's maximum context length is {limit} tokens",
@@ -37,12 +44,18 @@ class OutputProcessor:
         if n + m > limit:
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds this model's maximum "
                                f"context length of {limit} tokens", param="max_tokens")
+        matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
         seq = Sequence(request_id, ids, params, arrival_time)
+        seq.matcher = matcher
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         # what _check_stop looks for, folded: a token that can stop it, the length it stops at
         # (within the context limit: checked above)
-        seq.stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.tokenizer.eos_token_ids)
+        seq.stop_token_ids = frozenset(params.stop_token_ids)
+        seq.stop_ids = seq.stop_token_ids.union(() if params.ignore_eos else self.tokenizer.eos_token_ids)
         seq.max_len = n + m
+        if params.min_tokens:   # the ids the sampler masks until min_tokens: one tensor, not a list per step
+            seq.min_tokens_banned = torch.tensor(sorted(t for t in seq.stop_ids if t < self.vocab_size),
+                                                 dtype=torch.long)
         return seq
 
     def append_token(self, seq: Sequence, token: int, logprobs: dict | None, now: float) -> None:
@@ -54,18 +67,22 @@ class OutputProcessor:
         m.token_times.append(now)
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs)
+        added = 0   # characters this token added to the text (a long token or held-back bytes: many)
         if not seq.defer_text:
-            seq.text += seq.detokenizer.add(token)
+            piece = seq.detokenizer.add(token)
+            seq.text += piece
             seq.text_tokens += 1
+            added = len(piece)
         # Most tokens stop nothing: only a stop token id, the length limit or a stop string can
         # (sequences not made by new_sequence have no stop_ids: always checked in full).
         stop_ids = seq.stop_ids
-        if stop_ids is None or token in stop_ids or len(seq.token_ids) >= seq.max_len or seq.params.stop:
-            self._check_stop(seq, token)
+        if (stop_ids is None or token in stop_ids or len(seq.token_ids) >= seq.max_len or seq.params.stop
+                or seq.matcher is not None):
+            self._check_stop(seq, token, added)
             if seq.finish_reason is not None:
                 m.finished_time = now
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int, added: int) -> None:
         p = seq.params
         reason = stop = None
         num_tokens = len(seq.token_ids)
@@ -73,10 +90,12 @@ class OutputProcessor:
         if num_output >= p.min_tokens:
             if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
                 reason = "stop"
-            elif token in p.stop_token_ids:
+            elif token in (seq.stop_token_ids if seq.stop_token_ids is not None else p.stop_token_ids):
                 reason, stop = "stop", token
             elif p.stop:
-                reason, stop = self._check_stop_strings(seq)
+                reason, stop = self._check_stop_strings(seq, added)
+        if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "stop"   # the grammar is complete and allows nothing more (even with ignore_eos)
         if reason is None and (num_output >= p.max_tokens or num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
@@ -95,10 +114,11 @@ class OutputProcessor:
             seq.text_tokens = len(seq.token_ids) - seq.num_prompt_tokens
 
     @staticmethod
-    def _check_stop_strings(seq: Sequence):
-        # only the tail can hold a new match: the last token's text plus the longest stop string
+    def _check_stop_strings(seq: Sequence, added: int):
+        # A new match ends in the text this token added (one token can add many characters): it
+        # starts at most len(stop) - 1 characters before that text.
         longest = max(len(s) for s in seq.params.stop)
-        tail_start = max(0, len(seq.text) - longest - 32)
+        tail_start = max(0, len(seq.text) - added - longest + 1)
         hits = [(seq.text.find(s, tail_start), s) for s in seq.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:

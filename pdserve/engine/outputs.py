@@ -12,6 +12,7 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)  # one per generated token
     num_prefill_steps: int = 0      # steps that carried part of its (re-)prefill
     num_preemptions: int = 0
+    num_cached_tokens: int = 0      # prompt tokens found in the prefix cache at its first admission
     ttft_target: float | None = None   # seconds; the request's objectives with the engine's defaults
     tpot_target: float | None = None
 
@@ -73,6 +74,7 @@ class RequestMetrics:
         return {"ttft_s": self.ttft, "tpot_s": self.tpot, "e2e_s": self.e2e, "queue_time_s": self.queue_time,
                 "prefill_time_s": self.prefill_time, "decode_time_s": self.decode_time,
                 "num_prefill_steps": self.num_prefill_steps, "num_preemptions": self.num_preemptions,
+                "num_cached_tokens": self.num_cached_tokens,
                 "slo_ttft_attained": self.ttft_attained, "slo_tpot_attained": self.tpot_attained}
 
 
@@ -134,6 +136,11 @@ class RequestOutput:
         """Logprobs of this step's new tokens."""
         return None if self.logprobs is None else self.logprobs[len(self.logprobs) - len(self.new_token_ids):]
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose K/V came from the prefix cache (vLLM's RequestOutput field)."""
+        return self.metrics.num_cached_tokens
+
     def __repr__(self):
         return (f"RequestOutput({self.request_id!r}, token_ids={self.token_ids}, text={self.text!r}, "
                 f"new_token_ids={self.new_token_ids}, new_text={self.new_text!r}, finished={self.finished}, "
@@ -159,6 +166,8 @@ class EngineStats:
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    prefix_cache_queries: int = 0   # totals since start, in tokens
+    prefix_cache_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

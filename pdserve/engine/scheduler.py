@@ -15,6 +15,10 @@ When a running sequence needs a block and none is free, the most recently admitt
 sequence not already scheduled in this step is preempted: its blocks are freed and it goes back to
 the front of the queue, to be re-prefilled (prompt + tokens generated so far) later.
 
+Prefix cache (BlockManager): admission looks the sequence up first; its cached blocks count as
+computed (num_computed_tokens starts at the hit), so blocks, budget and the prefill cap are spent
+on the uncached rest only. A re-admitted (preempted) sequence so re-prefills only what was evicted.
+
 What depends on the requests' objectives (waiting order, prefill order, a TPOT-driven cap on a
 step's prefill tokens, the preemption victim, priority preemption) is the policy's
 (pdserve/engine/policy.py); with the default fcfs policy the rules above are the whole story.
@@ -123,22 +127,36 @@ class Scheduler:
         while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted):
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_budget)
-            if not self.block_manager.can_allocate(seq, n):
+            hits = self.block_manager.find_cached(seq)   # [] with the prefix cache off
+            computed = len(hits) * block_size
+            n = min(seq.num_tokens - computed, budget, prefill_budget)
+            if not self.block_manager.can_allocate(seq, computed + n, hits):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.prefill_len = seq.num_tokens
+            seq.num_computed_tokens = computed
             self.running.append(seq)
-            self.block_manager.allocate(seq, n)
+            self.block_manager.admit(seq, computed + n, hits)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
+                seq.metrics.num_cached_tokens = computed
             seq.metrics.num_prefill_steps += 1
             out.add(seq, n, True)
             budget -= n
             prefill_budget -= n
         out.preempted.extend(room)
         return out
+
+    def mark_computed(self, out: SchedulerOutput) -> None:
+        """After the step's forward: its scheduled tokens are in the cache, and the blocks they
+        filled join the prefix cache (not before: a failed step's K/V is never shared)."""
+        bm = self.block_manager
+        caching, block_size = bm.enable_caching, bm.block_size
+        for seq, n in zip(out.seqs, out.num_tokens):
+            seq.num_computed_tokens = computed = seq.num_computed_tokens + n
+            if caching and computed >= (seq.num_cached_blocks + 1) * block_size:   # a block filled up
+                bm.cache_full_blocks(seq)
 
     def _prefill_budget(self, out: SchedulerOutput, budget: int) -> int:
         """Prefill tokens this step may still take: the decode-aware cap if any decode is in it."""

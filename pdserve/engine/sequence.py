@@ -26,7 +26,8 @@ class Sequence:
     __slots__ = ("request_id", "seq_no", "token_ids", "prompt_token_ids", "num_prompt_tokens", "params", "status",
                  "num_computed_tokens", "prefill_len", "block_table", "metrics", "finish_reason", "stop_reason",
                  "logprobs", "argmax_only", "final_only", "stop_ids", "max_len", "generator", "detokenizer", "text",
-                 "sent_text_len", "text_tokens", "defer_text", "priority")
+                 "sent_text_len", "text_tokens", "defer_text", "block_hashes", "num_cached_blocks", "cache_parent",
+                 "priority", "stop_token_ids", "min_tokens_banned", "matcher")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
         self.request_id = request_id
@@ -40,19 +41,33 @@ class Sequence:
         self.num_computed_tokens = 0          # tokens whose K/V are in the cache
         self.prefill_len = 0                  # tokens to prefill at the last (re-)admission
         self.block_table: list[int] = []
+        # prefix cache (BlockManager): chained hashes of its full blocks so far, how many leading
+        # blocks of its table are registered (or were offered), and the registration the next
+        # full block chains from (None: caching stopped for it, after a hash collision)
+        self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0
+        self.cache_parent = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None  # appended to
         # greedy with no penalty, min_tokens mask or logprobs: the sampler only takes the argmax
         self.argmax_only = (params.greedy and params.logprobs is None and params.min_tokens == 0
+                            and params.grammar is None
                             and params.repetition_penalty == 1.0 and not params.presence_penalty
                             and not params.frequency_penalty)
         self.final_only = params.final_only   # read per step: one attribute, not two
         # set by OutputProcessor.new_sequence: the token ids that can stop it (eos unless ignored,
         # stop_token_ids) and the length it stops at (prompt + max_tokens)
         self.stop_ids: frozenset[int] | None = None
+        self.stop_token_ids: frozenset[int] | None = None   # params.stop_token_ids as a set
         self.max_len = 0
+        # the ids masked until min_tokens (stop ids within the vocabulary), as a tensor built once;
+        # None: the sampler builds it on first use (sequences not made by new_sequence)
+        self.min_tokens_banned: torch.Tensor | None = None
+        # constrained decoding: the llguidance matcher of params.grammar (set by new_sequence);
+        # a constrained sequence is never argmax_only, so its mask is always applied
+        self.matcher = None
         # per-request RNG: a seeded request samples the same tokens whatever else is in the batch
         self.generator: torch.Generator | None = None
         # set by the OutputProcessor: generated text so far, and how much of it was streamed

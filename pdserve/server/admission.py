@@ -24,6 +24,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_stop_strings: int = 16
     max_stop_length: int = 256           # characters per stop string
+    max_stop_token_ids: int = 256
     max_prompt_tokens: int | None = None  # None: the engine's own check against max_model_len
     max_tokens_cap: int | None = None     # None: whatever fits in the context
     max_n: int = 64
@@ -31,6 +32,7 @@ class ServerConfig:
     max_request_cost: int = 1 << 17       # prompts x n x max_tokens x (1 + logprobs) of one request
     request_timeout: float | None = None  # seconds from arrival; None: no limit
     api_key: str | None = None
+    tool_call_parser: str | None = None   # pdserve/server/tool_parsers.py; None: tool_choice "auto" is refused
     step_log: str | None = None   # JSONL file: one line per engine step (for `pdserve report`)
     allowed_hosts: list[str] | None = None   # Host header names accepted; None: any
     cors_origins: list[str] = field(default_factory=list)   # empty: no CORS headers at all
@@ -48,6 +50,8 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         self.config = config
         self.max_model_len = engine.max_model_len
+        # the longest sequence that can be served: the context, or the whole KV cache if smaller
+        self.max_seq_len = min(self.max_model_len, getattr(engine, "kv_capacity", self.max_model_len))
         self.metrics = ServerMetrics(config.step_log, config.served_model_name)
         self.step_events = StepEvents()
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
@@ -75,7 +79,10 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.config.served_model_name}`", param="model", code="model_not_found")
 
-    def check_stop(self, stop: list[str]) -> None:
+    def check_stop(self, stop: list[str], stop_token_ids: list[int] | None = None) -> None:
+        if stop_token_ids and len(stop_token_ids) > self.config.max_stop_token_ids:
+            raise RequestError(f"at most {self.config.max_stop_token_ids} stop_token_ids are allowed "
+                               f"(--max-stop-token-ids), got {len(stop_token_ids)}", param="stop_token_ids")
         if len(stop) > self.config.max_stop_strings:
             raise RequestError(f"at most {self.config.max_stop_strings} stop strings are allowed, got {len(stop)}",
                                param="stop")
@@ -155,13 +162,14 @@ class ServerState:
             return [self.tokenizer.encode(t) for t in texts]
         return await self.offload(lambda: [self.tokenizer.encode(t) for t in texts])
 
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The chat template's tokens; the template is rendered off the event loop when the text is long."""
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """The chat template's tokens (kwargs, e.g. tools, go to the template); the template is
+        rendered off the event loop when the text is long."""
         self.check_prompt_chars(["".join(m["content"] for m in messages)], "messages")
 
         def render():
             try:
-                return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+                return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
             except ValueError as e:
                 raise RequestError(str(e), param="messages") from None
         if sum(len(m["content"]) for m in messages) <= OFFLOAD_CHARS:

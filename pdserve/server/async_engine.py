@@ -256,6 +256,14 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         self._post(("abort", request_ids))
 
+    async def call(self, fn):
+        """fn() on the engine thread between two steps (the engine is not thread-safe); its result."""
+        if self.error is not None or not self.alive:
+            raise EngineDead(repr(self.error) if self.error else "the engine thread is not running")
+        done = self._loop.create_future()
+        self._post(("call", fn, done))
+        return await done
+
     def _post(self, command) -> None:
         self._commands.append(command)
         self._wake.set()
@@ -290,6 +298,13 @@ class AsyncEngine:
             if command[0] == "abort":
                 for rid in command[1]:
                     self.engine.abort_request(rid)
+                continue
+            if command[0] == "call":
+                try:
+                    result, error = command[1](), None
+                except Exception as e:
+                    result, error = None, e
+                self._loop.call_soon_threadsafe(_resolve, command[2], error, result)
                 continue
             _, items, arrival_time, admitted = command
             added, error = [], None
@@ -326,8 +341,8 @@ class AsyncEngine:
         self._subs.clear()
         while self._commands:   # adds nobody will drain any more
             command = self._commands.popleft()
-            if command[0] == "add":
-                _resolve(command[3], error)
+            if command[0] in ("add", "call"):
+                _resolve(command[-1], error)
 
 
 def _max_num_seqs(engine) -> int:
@@ -336,9 +351,9 @@ def _max_num_seqs(engine) -> int:
     return seats or 0
 
 
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+def _resolve(future: asyncio.Future, error: BaseException | None, result=None) -> None:
     if not future.done():   # the handler may have been cancelled meanwhile
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)

@@ -16,6 +16,7 @@ import uvicorn
 
 from pdserve.engine.args import DEFAULT_MODEL, add_engine_args, check_engine_args, engine_kwargs
 from pdserve.errors import ConfigError
+from pdserve.server.tool_parsers import PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most stop strings one request may give (default: %(default)s)")
     g.add_argument("--max-stop-length", type=_at_least(1), default=256,
                    help="longest stop string, in characters (default: %(default)s)")
+    g.add_argument("--max-stop-token-ids", type=_at_least(0), default=256,
+                   help="most stop_token_ids one request may give (default: %(default)s)")
     g.add_argument("--max-prompt-tokens", type=_at_least(1), default=None,
                    help="longest prompt, in tokens; longer ones get 400 (default: the model's context length)")
     g.add_argument("--max-tokens-cap", type=_at_least(1), default=None,
@@ -84,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most token entries one request may make the server generate and send: prompts x n x "
                         "max_tokens x (1 + logprobs); over it a request gets 400, and defaults are lowered to "
                         "fit (default: %(default)s)")
+    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="how answers become tool_calls with tool_choice \"auto\": hermes (= qwen2.5: "
+                        "<tool_call> blocks) or llama3_json (default: none; \"auto\" is then refused, "
+                        "\"required\" and named functions work without one)")
     g.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="abort a request still unfinished this long after it arrived and free its KV blocks; "
                         "the client gets 504 request_timeout, or an error event in a stream (default: none)")
@@ -151,12 +158,14 @@ def server_config(args: argparse.Namespace, model_name: str):
     from pdserve.server.admission import ServerConfig
     return ServerConfig(served_model_name=args.served_model_name or model_name, max_waiting=args.max_waiting,
                         max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
-                        max_stop_length=args.max_stop_length, max_prompt_tokens=args.max_prompt_tokens,
+                        max_stop_length=args.max_stop_length,
+                        max_stop_token_ids=args.max_stop_token_ids, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_cap=args.max_tokens_cap, max_n=args.max_n, max_logprobs=args.max_logprobs,
                         request_timeout=args.request_timeout, api_key=args.api_key or None, step_log=args.step_log,
                         max_request_cost=args.max_request_cost, allowed_hosts=allowed_hosts(args),
                         cors_origins=args.allowed_origins, cors_methods=args.allowed_methods,
-                        cors_headers=args.allowed_headers, cors_credentials=args.allow_credentials)
+                        cors_headers=args.allowed_headers, cors_credentials=args.allow_credentials,
+                        tool_call_parser=args.tool_call_parser)
 
 
 class _Server(uvicorn.Server):

@@ -7,6 +7,8 @@ gauges from engine.get_stats(). prometheus_client is thread-safe.
 """
 import dataclasses
 import json
+import logging
+import time
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
@@ -23,6 +25,9 @@ SEQ_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # No `_created` series beside every counter and histogram (process-wide, as vLLM does).
 disable_created_metrics()
+LOG_INTERVAL_S = 10.0   # the periodic engine log, as vLLM's: only after intervals in which steps ran
+
+log = logging.getLogger("pdserve.engine")
 
 
 class ServerMetrics:
@@ -57,6 +62,11 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (KV blocks reclaimed) by the scheduler.")
         self.success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
+        # vLLM's, in tokens: prompt tokens looked up in the prefix cache at admission, and found
+        self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._cache_seen = (0, 0)
+        self._window = [time.monotonic(), 0, 0, 0, 0]   # start, prefill and decode tokens, cache queries, hits
         # objectives (docs/API.md): attainment per phase; the rate of request_goodput is goodput
         self.slo_requests = counter("request_slo", "Finished requests with a target for the phase (aborts "
                                     "left out).", ["phase"])
@@ -88,12 +98,33 @@ class ServerMetrics:
                 self.preemptions.inc(step.num_preemptions)
             if self._step_log is not None:
                 self._step_log.write(json.dumps(dataclasses.asdict(step)) + "\n")
+            self._window[1] += step.num_prefill_tokens
+            self._window[2] += step.num_decode_tokens
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        queries, hits = stats.prefix_cache_queries - self._cache_seen[0], stats.prefix_cache_hits - self._cache_seen[1]
+        if queries:
+            self.cache_queries.inc(queries)
+            self.cache_hits.inc(hits)
+            self._cache_seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+            self._window[3] += queries
+            self._window[4] += hits
+        if time.monotonic() - self._window[0] >= LOG_INTERVAL_S:
+            self._log_window(stats)
         for out in outputs:
             if out.finished:
                 self.record_finished(out)
+
+    def _log_window(self, stats: EngineStats) -> None:
+        start, prefill, decode, queries, hits = self._window
+        now = time.monotonic()
+        if prefill or decode:   # the hit rate over the admissions of the interval, if there were any
+            rate = f"{100 * hits / queries:.1f}%" if queries else "n/a (no admissions)"
+            log.info("engine: %.1f prefill tok/s, %.1f decode tok/s; running %d, waiting %d; KV cache usage %.1f%%; "
+                     "prefix cache hit rate %s", prefill / (now - start), decode / (now - start),
+                     stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, rate)
+        self._window = [now, 0, 0, 0, 0]
 
     def record_finished(self, out: RequestOutput) -> None:
         m = out.metrics

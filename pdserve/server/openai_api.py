@@ -7,6 +7,7 @@ engine request `{id}-{i}`. Each choice carries its phase timings as the extensio
 import json
 import math
 import time
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -15,8 +16,10 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import RequestError
 from pdserve.server.errors import APIError, error_body
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server import tool_calls
 from pdserve.server.admission import ServerState, get_state
 from pdserve.server.streaming import DONE, sse, sse_response, unless_disconnected
+from pdserve.server.structured import check_grammar
 
 router = APIRouter()
 
@@ -60,9 +63,15 @@ def chat_logprobs(tok, token_ids: list[int], logprobs: list[dict], k: int) -> li
             for tid, lp in zip(token_ids, logprobs)]
 
 
-def _usage(prompts: list[list[int]], num_generated: int) -> dict:
+def _usage(prompts: list[list[int]], num_generated: int, num_cached: int = 0) -> dict:
     n_prompt = sum(len(p) for p in prompts)
-    return {"prompt_tokens": n_prompt, "completion_tokens": num_generated, "total_tokens": n_prompt + num_generated}
+    return {"prompt_tokens": n_prompt, "completion_tokens": num_generated, "total_tokens": n_prompt + num_generated,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+def _cached(outputs, n: int) -> int:
+    """Prompt tokens served from the prefix cache: each prompt's first choice's (the prompt counts once)."""
+    return sum(o.num_cached_tokens for i, o in enumerate(outputs) if i % n == 0 and o is not None)
 
 
 def _ending(out: RequestOutput) -> dict:
@@ -73,6 +82,12 @@ def _head(request_id: str, object: str, s: ServerState) -> dict:
     return {"id": request_id, "object": object, "created": int(time.time()), "model": s.config.served_model_name}
 
 
+def _refuse_unsupported(body, fields: tuple[str, ...]) -> None:
+    for f in fields:
+        if getattr(body, f) is not None:
+            raise RequestError(f"{f} is not supported by this server", param=f)
+
+
 # ---- /v1/completions
 
 @router.post("/v1/completions")
@@ -80,13 +95,15 @@ async def completions(body: CompletionRequest, request: Request):
     arrival = time.perf_counter()
     s = get_state(request)
     s.check_model(body.model)
-    s.check_stop(body.stop_list)
+    s.check_stop(body.stop_list, body.stop_token_ids)
     s.check_n(body.n)
     s.check_logprobs(body.logprobs, "logprobs")
     if body.echo and body.logprobs is not None:
         raise RequestError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
     num_seqs = (1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)) * body.n
     s.check_queue(num_seqs, "n" if body.n > 1 else "prompt")   # before the tokenizer: a full queue is refused at once
+    grammar = body.grammar_spec()
+    await check_grammar(s.engine, grammar)
     if body.max_tokens is None or "max_tokens" not in body.model_fields_set:
         max_tokens = s.cost_default(s.default_max_tokens(16), num_seqs, body.logprobs)
     else:
@@ -97,7 +114,7 @@ async def completions(body: CompletionRequest, request: Request):
     s.check_prompt_len(prompts)
     params = [p for _ in prompts for p in s.sampling_params(body.n, body.seed, max_tokens=max_tokens,
                                                             logprobs=body.logprobs, final_only=not body.stream,
-                                                            **body.sampling_kwargs())]
+                                                            grammar=grammar, **body.sampling_kwargs())]
     if not body.echo:
         texts = [""] * len(prompts)
     elif isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
@@ -131,42 +148,68 @@ async def _completion_response(s, body, sub, head, prompts, echo) -> Response:
             lp = None if body.logprobs is None else completion_logprobs(s.tokenizer, c.token_ids, c.logprobs,
                                                                         body.logprobs, 0)
             res.append({"index": i, "text": echo[i] + c.text, "logprobs": lp, **_ending(c)})
-        usage = _usage(prompts, sum(len(c.token_ids) for c in choices))
+        usage = _usage(prompts, sum(len(c.token_ids) for c in choices), _cached(choices, body.n))
         return {**head, "choices": res, "usage": usage}
     return await _json_response(s, choices, body.logprobs, build)
 
 
-async def _completion_events(s, body, sub, head, prompts, echo):
+async def stream_choices(sub, head: dict, opening: list[dict], choices_of, usage_of) -> AsyncIterator[str]:
+    """The SSE stream completions and chat share: the opening choices, then for every engine
+    output the choices `choices_of(out, i)` makes of it (i: its choice index), then the usage
+    (`usage_of(finals)`, None: not asked for), then [DONE]. An API error ends the stream with an
+    error event; a client that leaves early frees the KV blocks (sub.cancel)."""
     try:
-        # per choice, for logprobs' text_offset: advanced by each token's own text, as the
-        # non-streamed response counts it (a token's text and the stream's text differ when
-        # tokens split a character)
-        offsets = [len(e) for e in echo]
-        for i, text in enumerate(echo):
-            if text:
-                yield sse({**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]})
-        generated = 0
+        for choice in opening:
+            yield sse({**head, "choices": [choice]})
+        finals = [None] * len(sub.request_ids)
         async for out in sub.outputs():
             i = sub.index[out.request_id]
-            choice = {"index": i, "text": out.new_text, "logprobs": None, "finish_reason": None}
-            if body.logprobs is not None and out.new_token_ids:
-                choice["logprobs"] = completion_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
-                                                         body.logprobs, offsets[i])
-                offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
             if out.finished:
-                choice.update(_ending(out))
-                generated += len(out.token_ids)
-            # one event per new token, even when its text is still empty (part of a character,
-            # or held back as a possible stop string), as vLLM does: clients time tokens by events
-            if out.new_token_ids or out.new_text or out.finished:
+                finals[i] = out
+            for choice in choices_of(out, i):
                 yield sse({**head, "choices": [choice]})
-        if body.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(prompts, generated)})
+        usage = usage_of(finals)
+        if usage is not None:
+            yield sse({**head, "choices": [], "usage": usage})
     except APIError as e:
         yield sse(error_body(e.message, e.type, e.param, e.code))
     finally:
-        sub.cancel()   # a no-op unless the client left early: then it frees the KV blocks
+        sub.cancel()   # a no-op unless the client left early
     yield DONE
+
+
+def _has_news(out: RequestOutput) -> bool:
+    # one event per new token, even when its text is still empty (part of a character, or held
+    # back as a possible stop string), as vLLM does: clients time tokens by events
+    return bool(out.new_token_ids or out.new_text or out.finished)
+
+
+def _stream_usage(body, prompts: list[list[int]]):
+    def usage_of(finals: list[RequestOutput | None]) -> dict | None:
+        if not body.include_usage:
+            return None
+        return _usage(prompts, sum(len(f.token_ids) for f in finals if f is not None), _cached(finals, body.n))
+    return usage_of
+
+
+def _completion_events(s, body, sub, head, prompts, echo):
+    # per choice, for logprobs' text_offset: advanced by each token's own text, as the
+    # non-streamed response counts it (a token's text and the stream's text differ when
+    # tokens split a character)
+    offsets = [len(e) for e in echo]
+
+    def choices_of(out: RequestOutput, i: int):
+        choice = {"index": i, "text": out.new_text, "logprobs": None, "finish_reason": None}
+        if body.logprobs is not None and out.new_token_ids:
+            choice["logprobs"] = completion_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
+                                                     body.logprobs, offsets[i])
+            offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
+        if out.finished:
+            choice.update(_ending(out))
+        return [choice] if _has_news(out) else []
+
+    opening = [{"index": i, "text": text, "logprobs": None, "finish_reason": None} for i, text in enumerate(echo) if text]
+    return stream_choices(sub, head, opening, choices_of, _stream_usage(body, prompts))
 
 
 # ---- /v1/chat/completions
@@ -176,7 +219,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     arrival = time.perf_counter()
     s = get_state(request)
     s.check_model(body.model)
-    s.check_stop(body.stop_list)
+    _refuse_unsupported(body, ("continue_final_message",))
+    s.check_stop(body.stop_list, body.stop_token_ids)
     s.check_n(body.n)
     s.check_logprobs(body.top_logprobs, "top_logprobs")
     if body.top_logprobs is not None and not body.logprobs:
@@ -185,67 +229,84 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.max_completion_tokens is not None or body.max_tokens is not None:
         s.check_cost(body.n, body.max_completion_tokens or body.max_tokens, logprobs)
-    prompt = await s.encode_chat([m.as_template_dict() for m in body.messages], add_generation_prompt=True)
+    tools = tool_calls.plan(body, getattr(s.config, "tool_call_parser", None))
+    grammar = body.grammar_spec()
+    if tools.grammar is not None:
+        if grammar is not None:
+            raise RequestError(f"{grammar.param} cannot be combined with a tool_choice that constrains the "
+                               "answer (required or a named function)", param=grammar.param)
+        grammar = tools.grammar
+    await check_grammar(s.engine, grammar)
+    extra = {"tools": tools.tools} if tools.tools else {}
+    prompt = await s.encode_chat([tool_calls.template_message(m.as_template_dict()) for m in body.messages],
+                                 add_generation_prompt=True, **extra)
     if not prompt:
         raise RequestError("messages render to an empty prompt", param="messages")
     s.check_prompt_len([prompt], param="messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
-        # OpenAI's chat default: as many as fit in the context (and --max-tokens-cap). If the
-        # prompt alone is too long, asking for one token lets the engine report the lengths.
-        max_tokens = max(1, s.default_max_tokens(s.max_model_len - len(prompt)))
+        # OpenAI's chat default: as many as can be served, within the context and the KV cache
+        # (and --max-tokens-cap). If the prompt alone is too long, asking for one token lets the
+        # engine report the lengths.
+        max_tokens = max(1, s.default_max_tokens(s.max_seq_len - len(prompt)))
         max_tokens = s.cost_default(max_tokens, body.n, logprobs)   # and --max-request-cost
     else:
         s.check_max_tokens(max_tokens)
     params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, final_only=not body.stream,
-                               **body.sampling_kwargs())
+                               grammar=grammar, **body.sampling_kwargs())
     request_id, sub = await s.submit([prompt] * body.n, params, arrival, "chatcmpl")
     if body.stream:
-        return sse_response(_chat_events(s, body, sub, _head(request_id, "chat.completion.chunk", s), prompt))
+        return sse_response(_chat_events(s, body, sub, _head(request_id, "chat.completion.chunk", s), prompt, tools))
     return await unless_disconnected(
-        request, _chat_response(s, body, sub, _head(request_id, "chat.completion", s), prompt))
+        request, _chat_response(s, body, sub, _head(request_id, "chat.completion", s), prompt, tools))
 
 
-async def _chat_response(s, body, sub, head, prompt) -> Response:
+def _tool_finish(ending: dict, has_calls: bool) -> dict:
+    # OpenAI ends an answer that calls tools with "tool_calls"
+    return {**ending, "finish_reason": "tool_calls"} if has_calls and ending["finish_reason"] == "stop" else ending
+
+
+async def _chat_response(s, body, sub, head, prompt, tools) -> Response:
     choices = await sub.collect()
     k = body.top_logprobs or 0
 
     def build() -> dict:
-        res = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                "logprobs": {"content": chat_logprobs(s.tokenizer, c.token_ids, c.logprobs, k)} if body.logprobs
-                else None, **_ending(c)} for i, c in enumerate(choices)]
-        usage = _usage([prompt], sum(len(c.token_ids) for c in choices))
+        res = []
+        for i, c in enumerate(choices):
+            message, ending = {"role": "assistant", "content": c.text}, _ending(c)
+            if tools.mode != "none":
+                content, calls = tool_calls.extract(tools, c.text, c.finish_reason)
+                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                ending = _tool_finish(ending, bool(calls))
+            lp = {"content": chat_logprobs(s.tokenizer, c.token_ids, c.logprobs, k)} if body.logprobs else None
+            res.append({"index": i, "message": message, "logprobs": lp, **ending})
+        usage = _usage([prompt], sum(len(c.token_ids) for c in choices), _cached(choices, body.n))
         return {**head, "choices": res, "usage": usage}
     return await _json_response(s, choices, k if body.logprobs else None, build)
 
 
-async def _chat_events(s, body, sub, head, prompt):
-    try:
-        for i in range(body.n):
-            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
-        generated = 0
-        async for out in sub.outputs():
-            i = sub.index[out.request_id]
-            choice = {"index": i, "delta": {"content": out.new_text} if out.new_text else {},
-                      "logprobs": None, "finish_reason": None}
-            if body.logprobs and out.new_token_ids:
-                choice["logprobs"] = {"content": chat_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
-                                                               body.top_logprobs or 0)}
-            if out.finished:
-                choice.update(_ending(out))
-                generated += len(out.token_ids)
-            # one event per new token, even when its text is still empty (part of a character,
-            # or held back as a possible stop string), as vLLM does: clients time tokens by events
-            if out.new_token_ids or out.new_text or out.finished:
-                yield sse({**head, "choices": [choice]})
-        if body.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage([prompt], generated)})
-    except APIError as e:
-        yield sse(error_body(e.message, e.type, e.param, e.code))
-    finally:
-        sub.cancel()
-    yield DONE
+def _chat_events(s, body, sub, head, prompt, tools):
+    streams = [tool_calls.ToolStream(tools) if tools.mode != "none" else None for _ in range(body.n)]
+
+    def choices_of(out: RequestOutput, i: int):
+        if streams[i] is None:
+            deltas = [{"content": out.new_text}] if out.new_text else []
+        else:
+            deltas = streams[i].deltas(out.new_text, out.finished, out.finish_reason)
+        # a finished answer's tool calls: one event each, before the last delta
+        events = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas[:-1]]
+        choice = {"index": i, "delta": deltas[-1] if deltas else {}, "logprobs": None, "finish_reason": None}
+        if body.logprobs and out.new_token_ids:
+            choice["logprobs"] = {"content": chat_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
+                                                           body.top_logprobs or 0)}
+        if out.finished:
+            ending = _ending(out)
+            choice.update(ending if streams[i] is None else _tool_finish(ending, streams[i].has_calls()))
+        return events + ([choice] if _has_news(out) else [])
+
+    opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+               for i in range(body.n)]
+    return stream_choices(sub, head, opening, choices_of, _stream_usage(body, [prompt]))
 
 
 # ---- /v1/models

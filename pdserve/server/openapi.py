@@ -21,6 +21,7 @@ WHY = {400: "Bad request: a field out of range or of the wrong type (named in `p
 # One server-sent event: its `data` is a JSON chunk, or [DONE] at the end.
 SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 GENERATION = {"/v1/completions", "/v1/chat/completions", "/basic_generate", "/generate", "/generate_stream"}
+ORIGIN = {"BasicGenerateRequest", "GenerateRequest", "GenerateStreamRequest"}
 STREAMS = {"/v1/completions", "/v1/chat/completions", "/generate_stream"}
 
 
@@ -40,6 +41,52 @@ def statuses(path: str, method: str, api_key: bool) -> list[int]:
     return sorted(codes)
 
 
+def ranges(state) -> dict[str, dict]:
+    """The bounds the server checks (SamplingParams and the launch caps), as JSON Schema keywords."""
+    c = state.config
+    logprobs = {"minimum": 0, "maximum": c.max_logprobs}
+    # a prompt has at least one token, so max_tokens is below the context
+    max_tokens = {"minimum": 1, "maximum": min(c.max_tokens_cap or state.max_model_len, state.max_model_len - 1)}
+    return {
+        "n": {"minimum": 1, "maximum": c.max_n}, "max_tokens": max_tokens, "max_completion_tokens": max_tokens,
+        "temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
+        "min_p": {"minimum": 0, "maximum": 1}, "presence_penalty": {"minimum": -2, "maximum": 2},
+        "frequency_penalty": {"minimum": -2, "maximum": 2}, "repetition_penalty": {"exclusiveMinimum": 0},
+        "min_tokens": {"minimum": 0}, "seed": {"minimum": -2**63, "maximum": 2**64 - 1},
+        "logprobs": logprobs, "top_logprobs": logprobs,
+    }
+
+
+def _constrain(prop: dict, bounds: dict) -> None:
+    """Add bounds to a property's numeric type (inside anyOf when it is nullable)."""
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") in ("integer", "number"):
+            branch.update(bounds)
+
+
+def _constrain_lists(components: dict, state) -> None:
+    """Stop strings, stop ids, token ids and origin prompts: the bounds of their items."""
+    c = state.config
+    stop = {"minLength": 1, "maxLength": c.max_stop_length}
+    for name, component in components.items():
+        props = component.get("properties", {})
+        for branch in props.get("stop", {}).get("anyOf", []):
+            if branch.get("type") == "string":
+                branch.update(stop)
+            elif branch.get("type") == "array":
+                branch.update(maxItems=c.max_stop_strings)
+                branch["items"].update(stop)
+        for branch in props.get("stop_token_ids", {}).get("anyOf", []):
+            if branch.get("type") == "array":
+                branch["items"].update(minimum=0)
+        if name == "DetokenizeRequest":
+            props["tokens"]["items"].update(minimum=0, maximum=state.tokenizer.vocab_size - 1)
+        if name in ("BasicGenerateRequest", "GenerateStreamRequest"):
+            props["prompt"].update(minLength=1)
+        if name == "GenerateRequest":
+            props["prompts"]["items"].update(minLength=1)
+
+
 def install_openapi(app: FastAPI, state) -> None:
     def openapi() -> dict:
         if app.openapi_schema:
@@ -49,6 +96,15 @@ def install_openapi(app: FastAPI, state) -> None:
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
         components["ErrorResponse"] = ERROR_SCHEMA
+        bounds = ranges(state)
+        for name, component in components.items():
+            for field, prop in component.get("properties", {}).items():
+                if field == "max_tokens" and name in ORIGIN:   # clamped to the context there, not refused
+                    _constrain(prop, {"minimum": 1, **({"maximum": state.config.max_tokens_cap}
+                                                       if state.config.max_tokens_cap else {})})
+                elif field in bounds:
+                    _constrain(prop, bounds[field])
+        _constrain_lists(components, state)
         error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
         for path, ops in schema["paths"].items():
             for method, op in ops.items():

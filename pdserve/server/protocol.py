@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, WithJ
 
 from pdserve.objectives import RequestObjectives
 
+from pdserve.server.structured import StructuredFields
+from pdserve.server.tool_calls import ToolFields
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True)
@@ -27,7 +30,7 @@ class SLOTargets(_Strict):
     tpot_ms: StrictFloat | StrictInt | None = None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Strict, StructuredFields):
     """What completions and chat share. None means "the SamplingParams default"."""
     model: str | None = None
     n: int = Field(1, ge=1)   # the upper bound is --max-n
@@ -48,6 +51,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None   # prefix-cache isolation: only requests with the same salt share blocks
     # vLLM's priority (lower runs first; --scheduling-policy priority) and pdserve's per-phase targets
     priority: StrictInt = 0
     slo: SLOTargets | None = None
@@ -59,7 +63,7 @@ class _SamplingFields(_Strict):
     def sampling_kwargs(self) -> dict:
         """SamplingParams keyword arguments, without max_tokens, logprobs and seed (set per choice)."""
         fields = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                  "min_tokens", "repetition_penalty", "stop", "stop_token_ids")
+                  "min_tokens", "repetition_penalty", "stop", "stop_token_ids", "cache_salt")
         kw = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
         kw.update(ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
                   skip_special_tokens=self.skip_special_tokens)
@@ -112,23 +116,27 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None                   # a tool result's call
 
     def as_template_dict(self) -> dict:
         # Templates expect content as one string; text parts are joined as OpenAI does.
         content = self.content if isinstance(self.content, str) or self.content is None else \
             "\n".join(p.text for p in self.content)
         d = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            d["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         return d
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = None                # deprecated by OpenAI in favour of the next one
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    continue_final_message: Any = None   # not supported: refused when given, not ignored
 
 
 # ---- the origin server's endpoints (field names are theirs)

@@ -54,6 +54,17 @@ async def version():
     return {"version": __version__}
 
 
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request):
+    """Forget every cached block no running request holds (vLLM's endpoint). Never refused for
+    running requests: the blocks they hold stay cached, and the answer says how many."""
+    s = get_state(request)
+    reset = getattr(s.engine, "reset_prefix_cache", None)
+    if reset is None:
+        raise RequestError(f"the {getattr(s.engine, 'name', '')} backend has no prefix cache", param=None)
+    return await s.async_engine.call(reset)
+
+
 @router.get("/metrics")
 async def metrics(request: Request):
     return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)

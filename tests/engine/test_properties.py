@@ -10,7 +10,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.errors import RequestError
-from pdserve.layers.sampler import Sampler
+from pdserve.engine.sampler import Sampler
 from pdserve.sampling_params import SamplingParams
 
 EOS = 1

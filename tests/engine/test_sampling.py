@@ -7,7 +7,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import RequestError
-from pdserve.layers.sampler import Sampler
+from pdserve.engine.sampler import Sampler
 from tests.engine.helpers import corpus_prompts, hf_logits
 
 EOS = 9

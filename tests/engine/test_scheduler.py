@@ -258,7 +258,8 @@ def test_bad_scheduler_flags_are_one_line_cli_errors(flag, value, message):
 
     r = subprocess.run([sys.executable, "-m", "pdserve", "generate", "x", flag, value], capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.splitlines()[-1] == f"pdserve generate: error: argument {flag}: {message}"
+    assert r.returncode == 2 and r.stderr.splitlines() == [f"pdserve generate: error: argument {flag}: {message}",
+                                                           "(see `pdserve generate --help`)"]
     assert "Traceback" not in r.stderr
 
 

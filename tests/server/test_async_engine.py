@@ -11,6 +11,8 @@ from pdserve.server.errors import Overloaded
 from pdserve.server.metrics import ServerMetrics
 from tests.server.fake_engine import FakeEngine
 
+M = {"model_name": "pdserve"}   # the label ServerMetrics puts on every series
+
 
 def run(engine, coro_fn, max_waiting=8):
     async def main():
@@ -33,9 +35,9 @@ def test_concurrent_submissions_share_steps_and_finish():
     results, metrics = run(engine, go)
     assert [r.text for r in results] == ["abcdefgh"[:3 + i] for i in range(6)]
     assert [len(r.token_ids) for r in results] == [3 + i for i in range(6)]
-    seqs = metrics.registry.get_sample_value("pdserve:step_num_seqs_bucket", {"le": "1.0"})
-    assert metrics.registry.get_sample_value("pdserve:step_num_seqs_count") > seqs   # steps with > 1 sequence
-    assert metrics.registry.get_sample_value("pdserve:request_success_total", {"finished_reason": "length"}) == 6
+    seqs = metrics.registry.get_sample_value("pdserve:step_num_seqs_bucket", {**M, "le": "1.0"})
+    assert metrics.registry.get_sample_value("pdserve:step_num_seqs_count", M) > seqs   # steps with > 1 sequence
+    assert metrics.registry.get_sample_value("pdserve:request_success_total", {**M, "finished_reason": "length"}) == 6
 
 
 def test_cancel_aborts_the_unfinished():
@@ -47,11 +49,11 @@ def test_cancel_aborts_the_unfinished():
         outs = sub.outputs()
         await outs.__anext__()
         sub.cancel()
-        while ae.metrics.registry.get_sample_value("pdserve:kv_cache_usage_perc") > 0 or ae.num_waiting:
+        while ae.metrics.registry.get_sample_value("pdserve:kv_cache_usage_perc", M) > 0 or ae.num_waiting:
             await asyncio.sleep(0.01)
         return ae.metrics
     metrics = run(engine, go)
-    assert metrics.registry.get_sample_value("pdserve:request_success_total", {"finished_reason": "abort"}) == 2
+    assert metrics.registry.get_sample_value("pdserve:request_success_total", {**M, "finished_reason": "abort"}) == 2
 
 
 def test_a_group_is_admitted_all_or_none():

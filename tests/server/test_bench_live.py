@@ -83,3 +83,18 @@ def test_file_prompts_and_a_failing_request(server, tmp_path):
     server.wait_for(lambda m: m[GEN] - gen0 >= 9 + 3)
     gen1, prompt1 = counters(server)
     assert (gen1 - gen0, prompt1 - prompt0) == (9 + 3, res["total_input_tokens"] + 5)
+
+
+def test_multi_turn_run_sends_the_growing_history(server, tmp_path):
+    out = tmp_path / "m.json"
+    p = bench("--base-url", server.url, "--dataset-name", "multi-turn", "--num-prompts", "2", "--num-turns", "3",
+              "--random-output-len", "12", "--max-concurrency", "2", "--seed", "5", "--output", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    assert (res["completed"], res["failed"]) == (6, 0) and res["output_lens"] == [12] * 6
+    turns = res["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3] and all(t["completed"] == 2 for t in turns)
+    # each turn's prompt holds the one before it and its answer, which the prefix cache then serves
+    assert turns[0]["mean_prompt_tokens"] + 12 < turns[1]["mean_prompt_tokens"] < turns[2]["mean_prompt_tokens"]
+    assert turns[2]["prefix_cache_hit_rate"] > 0.3 and res["prefix_cache_hit_rate"] > 0
+    assert res["later_turns_median_ttft_ms"] > 0 and "Per turn" in p.stdout

@@ -42,8 +42,8 @@ def test_serve_builds_and_steps_the_engine_on_one_thread(monkeypatch):
         engines.append(ThreadRecordingEngine())
         return engines[-1]
 
-    def serve_one_request(server):   # stands in for uvicorn: the app's lifespan starts the engine loop
-        with TestClient(server.config.app) as c:
+    def serve_one_request(server, sockets=None):   # stands in for uvicorn: the app's lifespan starts the engine loop
+        with TestClient(server.config.app, base_url="http://127.0.0.1") as c:   # a Host --allowed-hosts takes
             r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc"
 
@@ -52,6 +52,6 @@ def test_serve_builds_and_steps_the_engine_on_one_thread(monkeypatch):
     monkeypatch.setattr(launch.signal, "signal", lambda *_: None)   # keep pytest's own handlers
     parser = argparse.ArgumentParser()
     launch.add_arguments(parser)
-    launch.run(parser.parse_args([]))
+    launch.run(parser.parse_args(["--port", "0"]))
     (engine,) = engines
     assert engine.stepped_on == {engine.built_on} and engine.built_on != threading.get_ident()

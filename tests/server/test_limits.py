@@ -55,7 +55,8 @@ def test_at_the_cap_is_served(capped):
         "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert [c["finish_reason"] for c in r.json()["choices"]] == ["length", "length"]
-    assert r.json()["usage"] == {"prompt_tokens": 40, "completion_tokens": 40, "total_tokens": 80}
+    assert r.json()["usage"] == {"prompt_tokens": 40, "completion_tokens": 40, "total_tokens": 80,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
     assert httpx.post(capped.url + "/v1/completions", json={"prompt": "x" * 4001}).status_code == 413
 
 

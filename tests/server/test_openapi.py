@@ -31,11 +31,21 @@ def test_the_schema_declares_400_in_openai_format_and_no_422():
     assert "text/event-stream" in schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     prompt = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
     assert len(prompt["anyOf"]) == 4   # the shapes the validator accepts, not "anything"
+    # the ranges the server checks, with the launch caps (here the defaults)
+    chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat["n"]["maximum"] == 64 and chat["top_logprobs"]["anyOf"][0]["maximum"] == 20
+    assert chat["temperature"]["anyOf"][0]["minimum"] == 0 and chat["top_p"]["anyOf"][0]["maximum"] == 1
+    assert chat["stop"]["anyOf"][1]["maxItems"] == 16
+
+
+# the server schemathesis runs against: short generations and many seats, so that no generated case
+# (n up to 64, the default max_tokens) takes long on a busy machine
+FUZZED = dict(max_tokens_cap=16)
 
 
 def _operations():
     import schemathesis
-    schema = schemathesis.openapi.from_dict(make_app().openapi())
+    schema = schemathesis.openapi.from_dict(make_app(**FUZZED).openapi())
     return [r.ok() for r in schema.get_all_operations()]
 
 
@@ -44,7 +54,7 @@ OPERATIONS = _operations()
 
 @pytest.fixture(scope="module")
 def base_url():
-    with running_app(FakeEngine(max_model_len=256)) as (host, port):
+    with running_app(FakeEngine(max_model_len=256, max_num_seqs=64, step_time=0.0), **FUZZED) as (host, port):
         yield f"http://{host}:{port}"
 
 
@@ -61,7 +71,7 @@ def test_schemathesis_finds_the_schema_and_the_server_agree(op, base_url):
                   suppress_health_check=list(HealthCheck), derandomize=True)
         @given(op.as_strategy(mode))
         def run(case):
-            case.call_and_validate(base_url=base_url, checks=checks)
+            case.call_and_validate(base_url=base_url, checks=checks, timeout=60)
         try:
             run()
         except Exception as e:

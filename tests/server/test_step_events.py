@@ -131,7 +131,8 @@ def test_sigterm_ends_the_step_streams_and_the_server_exits_promptly(start_serve
 
 def test_a_preemption_is_marked_and_followed_by_a_re_prefill(start_server, tiny_llama):
     # 8 blocks of 16 tokens: two requests of 100 tokens each cannot both stay in the cache
-    server = start_server(tiny_llama, "--num-kv-blocks", "8")
+    # (without the prefix cache, whose blocks would spare part of the re-prefill)
+    server = start_server(tiny_llama, "--num-kv-blocks", "8", "--no-enable-prefix-caching")
     body = {"max_tokens": 100, "ignore_eos": True, "temperature": 0}
     stream = StepStream(server.url, lambda ev: sum(q["state"] == "finished" for e in ev for q in e["requests"]) == 2)
     with httpx.Client(timeout=120) as c:

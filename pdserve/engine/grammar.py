@@ -1,0 +1,142 @@
+"""Constrained decoding: a request's grammar (a JSON schema, any JSON object, a regex, a list of
+choices, a Lark or GBNF grammar) as a mask over the next token, through llguidance.
+
+Each constrained sequence holds an llguidance matcher. In every step the sampler asks the
+matchers of its constrained rows for their masks (one call, computed in parallel), sets the
+disallowed logits of those rows to -inf, samples, and feeds each sampled token back to its
+matcher. Grammars are compiled once per spec: new sequences get a copy of a cached matcher.
+llguidance was picked over xgrammar by measured per-token mask cost on CPU (see docs/API.md).
+"""
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import llguidance as llg
+import numpy as np
+import torch
+from llguidance.gbnf_to_lark import any_to_lark
+
+from pdserve.errors import RequestError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Compact JSON, no free whitespace: a model (a random one in the tests) cannot pad forever.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What a request constrains its output to. `value`: the schema as JSON text (json), the
+    regex, the choices as a JSON list (choice), or the grammar's text; `param` is the request
+    field it came from, which an error names."""
+    kind: str
+    value: str = ""
+    param: str = "response_format"
+
+    def grammar(self) -> str:
+        """llguidance's grammar text; ValueError if the spec cannot be one."""
+        if self.kind == "json":
+            return llg.LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
+        if self.kind == "json_object":
+            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "choice":
+            choices = json.loads(self.value)
+            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        if self.kind == "grammar":
+            return llg.LLMatcher.grammar_from_lark(any_to_lark(self.value))
+        raise ValueError(f"unknown grammar kind {self.kind!r}")
+
+
+class GrammarCompiler:
+    """Grammar specs -> llguidance matchers for one tokenizer, cached by spec. Thread-safe: the
+    server validates specs off the event loop while the engine thread makes matchers."""
+
+    CACHE_SIZE = 256
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size        # the model's: logits may have rows the tokenizer lacks
+        self._lltok = None
+        self._cache: OrderedDict[GrammarSpec, llg.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self._executor = None
+
+    @property
+    def lltokenizer(self) -> llg.LLTokenizer:
+        with self._lock:
+            if self._lltok is None:   # ~0.5 s for a 32k vocabulary: once, on first use
+                tok = self.tokenizer
+                self._lltok = llg.LLTokenizer(tok.backend_json(), n_vocab=self.vocab_size,
+                                              eos_token=list(tok.eos_token_ids) or None)
+                self._executor = llg.LLExecutor()
+            return self._lltok
+
+    def check(self, spec: GrammarSpec) -> None:
+        """Compile (or find) the spec; RequestError naming spec.param if it is not a valid grammar."""
+        self._pristine(spec)
+
+    def matcher(self, spec: GrammarSpec) -> llg.LLMatcher:
+        """A fresh matcher for one sequence."""
+        return self._pristine(spec).deep_copy()
+
+    def _pristine(self, spec: GrammarSpec) -> llg.LLMatcher:
+        lltok = self.lltokenizer
+        with self._lock:
+            m = self._cache.get(spec)
+            if m is not None:
+                self._cache.move_to_end(spec)
+                return m
+        try:
+            text = spec.grammar()
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"{spec.param}: not a valid {spec.kind} ({e})", param=spec.param) from None
+        m = llg.LLMatcher(lltok, text, log_level=0)   # drops the GIL while it compiles
+        if m.is_error():
+            raise RequestError(f"{spec.param}: unsupported or invalid {spec.kind}: {m.get_error()}",
+                               param=spec.param)
+        with self._lock:
+            self._cache[spec] = m
+            if len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return m
+
+    def fill_masks(self, matchers: list[llg.LLMatcher]) -> torch.Tensor:
+        """The allowed-token bitmask of each matcher, (len, words) int32, computed in parallel.
+        Ids past the tokenizer's vocabulary (padding rows of the model's) have no text: never
+        allowed (tests/engine/test_grammar.py). A matcher in error gets an empty mask (the caller
+        fails its request)."""
+        words = mask_words(self.vocab_size)
+        masks = torch.empty((len(matchers), words), dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], masks.data_ptr(),
+                                               words * 4, len(matchers))
+        return masks
+
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
+    """Set logits[rows] to -inf wherever the row's bitmask has a 0."""
+    V = logits.shape[-1]
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :V]
+    banned = (torch.from_numpy(bits) == 0).to(logits.device, non_blocking=True)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill_(banned, float("-inf"))
+
+
+def forced_tokens(masks: torch.Tensor) -> list[int | None]:
+    """Per row: the one token its mask allows, or None (zero or several allowed). In a JSON
+    schema many steps are forced (keys, punctuation): those rows need no logits at all."""
+    words = masks.numpy().view(np.uint32)
+    counts = np.bitwise_count(words).sum(axis=1)
+    out: list[int | None] = [None] * len(counts)
+    for r in np.flatnonzero(counts == 1):
+        w = int(np.flatnonzero(words[r])[0])
+        out[r] = w * 32 + int(words[r, w]).bit_length() - 1
+    return out

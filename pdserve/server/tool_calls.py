@@ -1,0 +1,191 @@
+"""Tool calling on chat completions: `tools` go to the chat template; `tool_choice` decides how
+the answer becomes OpenAI's `tool_calls`.
+
+- "none": the tools are not offered (nor given to the template); the answer is content.
+- "auto" (the default with tools): free generation, parsed by --tool-call-parser.
+- "required": the grammar allows only a JSON list of calls to declared tools, each with
+  arguments valid for its schema (as vLLM does), so the answer always parses.
+- a named function: the grammar allows only that function's arguments.
+"""
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pdserve.engine.grammar import GrammarSpec
+from pdserve.errors import RequestError
+from pdserve.server.tool_parsers import PARSERS, ToolParser
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class FunctionDef(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolFields(BaseModel):
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+
+@dataclass
+class ToolPlan:
+    mode: str                          # "none", "auto", "required", "named"
+    tools: list[dict] = field(default_factory=list)   # what the chat template gets
+    name: str | None = None            # the named function
+    parser: ToolParser | None = None   # auto only
+    grammar: GrammarSpec | None = None
+
+    @property
+    def calls_only(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def plan(body, parser_name: str | None) -> ToolPlan:
+    """The plan for a chat request; RequestError naming tools / tool_choice if it cannot be served."""
+    tools, choice = body.tools or [], body.tool_choice
+    if choice is not None and choice != "none" and not tools:
+        raise RequestError("tool_choice needs tools", param="tool_choice")
+    names = [t.function.name for t in tools]
+    for n in names:
+        if not _NAME.match(n):
+            raise RequestError(f"tool name {n!r} must be 1-64 characters of a-z, A-Z, 0-9, _, . and -", param="tools")
+    if len(set(names)) != len(names):
+        raise RequestError("tool names must be unique", param="tools")
+    if not tools or choice == "none":
+        return ToolPlan("none")
+    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise RequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                               f"({', '.join(names)})", param="tool_choice")
+        fn = tools[names.index(choice.function.name)].function
+        return ToolPlan("named", template_tools, fn.name, grammar=_json(_parameters(fn), "tools"))
+    if choice == "required":
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t.function)},
+             "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}}
+        if not body.parallel_tool_calls:
+            calls["maxItems"] = 1
+        return ToolPlan("required", template_tools, grammar=_json(calls, "tools"))
+    if parser_name is None:   # "auto"
+        raise RequestError('tool_choice "auto" needs a server started with --tool-call-parser; "required" '
+                           "or a named function work without one", param="tool_choice")
+    return ToolPlan("auto", template_tools, parser=PARSERS[parser_name]())
+
+
+def _parameters(fn: FunctionDef) -> dict:
+    return fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
+
+
+def _json(schema: dict, param: str) -> GrammarSpec:
+    return GrammarSpec("json", json.dumps(schema), param)
+
+
+def template_message(m: dict) -> dict:
+    """An assistant message's tool_calls as templates expect them: arguments as an object."""
+    calls = m.get("tool_calls")
+    if calls:
+        out = []
+        for c in calls:
+            fn = dict(c.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass   # left as the string the client sent
+            out.append({**c, "function": fn})
+        m = {**m, "tool_calls": out}
+    return m
+
+
+def new_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def extract(p: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a finished answer."""
+    if p.mode == "named":
+        return (None, [new_call(p.name, text)]) if finish_reason == "stop" else (text, [])
+    if p.mode == "required":
+        try:
+            calls = json.loads(text)
+            return None, [new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            return text, []   # cut short by max_tokens: it is what it is
+    if p.mode == "auto":
+        content, calls = p.parser.parse(text)
+        return content, [new_call(n, a) for n, a in calls]
+    return text, []
+
+
+class ToolStream:
+    """Turns one choice's streamed text into delta dicts: content while it is surely content,
+    tool-call deltas as OpenAI streams them (named: the arguments as they come; otherwise each
+    call whole once the answer ends)."""
+
+    def __init__(self, p: ToolPlan):
+        self.plan = p
+        self.text = ""
+        self.sent = 0   # characters of text already sent as content (or as named arguments)
+        self.named_started = False
+
+    def deltas(self, new_text: str, finished: bool, finish_reason: str | None) -> list[dict]:
+        self.text += new_text
+        p, out = self.plan, []
+        if p.mode == "named":
+            if not self.named_started:
+                self.named_started = True
+                call = new_call(p.name, "")
+                out.append({"tool_calls": [{"index": 0, **call}]})
+            if new_text:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]})
+            return out
+        if p.mode == "required":
+            if finished:
+                _, calls = extract(p, self.text, finish_reason)
+                if calls:
+                    return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
+                return [{"content": self.text}] if self.text else []
+            return []
+        if p.mode != "auto":
+            upto = len(self.text)
+        elif not finished:
+            upto = p.parser.content_prefix(self.text, False)
+        else:
+            _, calls = extract(p, self.text, finish_reason)
+            # with calls, the content is what comes before them; without, everything held back
+            upto = p.parser.content_prefix(self.text, False) if calls else len(self.text)
+            out += [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
+        if upto > self.sent:
+            out.insert(0, {"content": self.text[self.sent:upto]})
+            self.sent = upto
+        return out
+
+    def has_calls(self) -> bool:
+        return self.plan.calls_only or (self.plan.mode == "auto" and bool(self.plan.parser.parse(self.text)[1]))

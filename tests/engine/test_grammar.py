@@ -1,0 +1,148 @@
+"""Constrained decoding in the engine: every constrained output matches its grammar whatever the
+model (random weights here), greedy or sampled, batched with free requests; constrained rows
+never take the fused argmax path; logits past the tokenizer's vocabulary are masked."""
+import json
+import re
+
+import jsonschema
+import pytest
+from pdserve.engine.grammar import GrammarSpec
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.errors import RequestError
+from pdserve.sampling_params import SamplingParams
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "score": {"type": "number"},
+    "active": {"type": "boolean"},
+    "tags": {"type": "array", "maxItems": 3,
+             "items": {"type": "object", "properties": {"k": {"type": "string", "maxLength": 6},
+                                                        "v": {"type": "integer", "maximum": 99}},
+                       "required": ["k", "v"], "additionalProperties": False}}},
+    "required": ["name", "age", "score", "active", "tags"], "additionalProperties": False}
+JSON = GrammarSpec("json", json.dumps(SCHEMA))
+
+
+def run(engine, requests) -> dict:
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    engine.block_manager.check_all_free()
+    return finals
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return LLMEngine(tiny_llama, max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=256, block_size=16)
+
+
+def test_outputs_match_their_grammar_greedy_and_sampled_among_free_requests(engine):
+    specs = {"json": JSON, "object": GrammarSpec("json_object"), "regex": GrammarSpec("regex", r"[a-z]{2,5}-[0-9]{3}"),
+             "choice": GrammarSpec("choice", json.dumps(["red", "green", "dark blue"])),
+             "grammar": GrammarSpec("grammar", 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,3}/')}
+    reqs = []
+    for temp in (0.0, 0.7, 1.5):
+        for name, spec in specs.items():
+            for j in range(2):
+                reqs.append((f"{name}-{temp}-{j}", f"Story {j}:", SamplingParams(
+                    max_tokens=300, temperature=temp, seed=j, grammar=spec)))
+        reqs.append((f"free-{temp}", "Story:", SamplingParams(max_tokens=30, temperature=temp, ignore_eos=True)))
+    finals = run(engine, reqs)
+    for rid, out in finals.items():
+        kind = rid.split("-")[0]
+        if kind == "free":
+            assert out.finish_reason == "length"
+            continue
+        if kind == "object":   # unbounded (a key may run on): it ends in time, or is cut at max_tokens
+            assert out.text.startswith("{")
+            if out.finish_reason == "stop":
+                assert isinstance(json.loads(out.text), dict)
+            continue
+        assert out.finish_reason == "stop", (rid, out.text)
+        if kind == "json":
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+        elif kind == "regex":
+            assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", out.text), out.text
+        elif kind == "choice":
+            assert out.text in ("red", "green", "dark blue")
+        else:
+            assert re.fullmatch(r"\(\d{1,3}(\+\d{1,3})*\)", out.text), out.text
+
+
+def test_a_greedy_constrained_row_never_takes_the_fused_argmax(engine, monkeypatch):
+    assert engine.runner.fused_argmax   # the path exists for this model: it must not be taken
+    calls = []
+    real = engine.runner.model.compute_argmax
+    monkeypatch.setattr(engine.runner.model, "compute_argmax", lambda h: calls.append(1) or real(h))
+    finals = run(engine, [("c", "Hi", SamplingParams(max_tokens=200, temperature=0, grammar=JSON))])
+    jsonschema.validate(json.loads(finals["c"].text), SCHEMA)
+    assert not calls
+    run(engine, [("free", "Hi", SamplingParams(max_tokens=3, temperature=0))])
+    assert calls   # and a free greedy batch still takes it
+
+
+def test_logits_past_the_tokenizer_vocabulary_are_masked(engine, monkeypatch):
+    n = engine.tokenizer.vocab_size
+    assert engine.model_config.vocab_size > n
+    real = engine.runner.model.compute_logits
+
+    def padding_wins(hidden):
+        logits = real(hidden).clone()
+        logits[:, n:] += 1e4   # the padding rows would win every argmax
+        return logits
+    monkeypatch.setattr(engine.runner.model, "compute_logits", padding_wins)
+    finals = run(engine, [(f"c{t}", "Hi", SamplingParams(max_tokens=200, temperature=t, seed=1, grammar=JSON))
+                          for t in (0.0, 1.0)])
+    for out in finals.values():
+        assert all(t < n for t in out.token_ids)
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_a_bad_grammar_is_refused_naming_its_field(engine):
+    for spec in (GrammarSpec("json", json.dumps({"type": "nonsense"}), "guided_json"),
+                 GrammarSpec("regex", "(unclosed", "structured_outputs"),
+                 GrammarSpec("grammar", "start: undefined_rule", "guided_grammar")):
+        with pytest.raises(RequestError) as e:
+            engine.processor.grammars.check(spec)
+        assert e.value.param == spec.param
+    assert not engine.seqs
+
+
+def test_compiled_grammars_are_cached_by_spec(engine):
+    grammars = engine.processor.grammars
+    a = grammars._pristine(JSON)
+    assert grammars._pristine(GrammarSpec("json", json.dumps(SCHEMA))) is a
+    assert grammars.matcher(JSON) is not a   # each sequence its own copy
+
+
+def test_a_matcher_error_fails_only_its_request(engine):
+    engine.add_request("bad", "Hi", SamplingParams(max_tokens=50, temperature=0, grammar=JSON))
+    engine.add_request("good", "Hi", SamplingParams(max_tokens=200, temperature=0.5, grammar=JSON))
+    engine.add_request("free", "Hi", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()
+    # a token the grammar refuses (a padding id) puts the matcher in error, as a bug would
+    assert not engine.seqs["bad"].matcher.consume_token(engine.model_config.vocab_size - 1)
+    finals = run(engine, [])
+    assert {r: o.finish_reason for r, o in finals.items()} == {"bad": "error", "good": "stop", "free": "length"}
+    jsonschema.validate(json.loads(finals["good"].text), SCHEMA)
+
+
+def test_rows_the_grammar_forces_skip_the_lm_head(engine, monkeypatch):
+    calls = []
+    real = engine.runner.model.compute_logits
+    monkeypatch.setattr(engine.runner.model, "compute_logits", lambda h: calls.append(h.shape[0]) or real(h))
+    only = GrammarSpec("choice", json.dumps(["the one and only answer"]))
+    finals = run(engine, [("f", "Hi", SamplingParams(max_tokens=50, temperature=1.0, seed=0, grammar=only))])
+    assert finals["f"].text == "the one and only answer" and finals["f"].finish_reason == "stop"
+    assert calls == []   # every step was forced: no logits at all
+    # with logprobs the logits are needed (and a forced token has all the mass)
+    calls.clear()
+    finals = run(engine, [("l", "Hi", SamplingParams(max_tokens=50, temperature=0, logprobs=1, grammar=only))])
+    out = finals["l"]
+    assert out.text == "the one and only answer" and len(calls) == len(out.token_ids)
+    assert all(lp is not None for lp in out.logprobs)
