@@ -1,19 +1,37 @@
-"""The kernel build: named after its inputs, and never waiting on a lock a killed build left."""
+"""The kernel build: one per instruction set, named after its inputs, never waiting on a lock a
+killed build left, shared safely by processes that load it at once, and without a compiler one
+warning and torch's ops."""
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
 from pdserve import kernels
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_supports_avx512(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 
-def test_builds_here():
-    # This machine has AVX-512 and a compiler: a failed build is a failure, not a silent fallback.
-    assert kernels.cpu_ops() is not None
+def test_builds_here(cpu_isa):
+    # A compiler and a CPU that runs this build: a failed build is a failure, not a silent fallback.
+    ops = kernels.cpu_ops()
+    assert ops is not None and ops.isa == cpu_isa == kernels.selected_isa()
+    assert kernels.kernel_path().startswith(f"kernels {cpu_isa} (")
+
+
+def test_each_instruction_set_has_its_own_build():
+    names = {kernels.build_name(isa) for isa in kernels.ISAS}
+    assert len(names) == len(kernels.ISAS) and all(f"_{isa}_" in kernels.build_name(isa) for isa in kernels.ISAS)
+
+
+def test_forced_avx2_is_honoured(monkeypatch):
+    kernels.use_isa(None)   # the environment decides
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")
+    assert kernels.selected_isa() == "avx2" and not kernels.cpu_supports_avx512() and not kernels.cpu_supports_bf16_dot()
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "auto")
+    assert kernels.selected_isa() == kernels.supported_isas()[0]
 
 
 def test_stale_lock_from_a_killed_build_is_removed():
@@ -23,7 +41,8 @@ def test_stale_lock_from_a_killed_build_is_removed():
     try:
         # torch's loader alone would wait on this file forever
         r = subprocess.run([sys.executable, "-c", "from pdserve.kernels import load_cpu_ops; load_cpu_ops()"],
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PDSERVE_CPU_ISA": kernels.selected_isa()})
         assert r.returncode == 0, r.stderr
         assert "stale build lock" in r.stderr
         assert not os.path.exists(lock)
@@ -66,7 +85,48 @@ def test_a_checkout_elsewhere_with_the_same_kernels_reuses_the_build(tmp_path):
     code = ("import pdserve.kernels as k; assert k.__file__.startswith(%r), k.__file__; "
             "print(k.build_name()); assert k.load_cpu_ops().packed_linear" % str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+                       env={**os.environ, "PYTHONPATH": str(tmp_path), "PDSERVE_CPU_ISA": kernels.selected_isa()},
+                       cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == kernels.build_name()
     assert os.stat(built).st_mtime_ns == before   # not compiled again
+
+
+# A stand-in for the kernels (a one-function extension) keeps the build short.
+TINY = textwrap.dedent("""
+    #include <torch/extension.h>
+    int answer() { return 42; }
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+""")
+
+
+def _tiny_load(tmp_path, env_extra=None):
+    src = tmp_path / "tiny.cpp"
+    src.write_text(TINY)
+    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING, stream=sys.stderr); "
+            "from pdserve import kernels as k; k.SOURCES = [%r]; k.HEADERS = []; "
+            "ops = k.cpu_ops(); print(ops.answer() if ops else None, ops.__file__ if ops else '')" % str(src))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PDSERVE_CPU_ISA": kernels.selected_isa(),
+           **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def test_two_processes_building_at_once_both_load_one_build(tmp_path):
+    # a server started while the tests build: neither fails nor overwrites the other's build
+    first, second = _tiny_load(tmp_path), _tiny_load(tmp_path)
+    outs = [p.communicate(timeout=900) for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outs
+    answers = [out.split() for out, _ in outs]
+    assert answers[0][0] == answers[1][0] == "42" and answers[0][1] == answers[1][1]
+    logs = outs[0][1] + outs[1][1]
+    assert logs.count("compiling pdserve's CPU kernels") == 1   # one built, with a visible line
+    assert "waiting for another process's build" in logs
+
+
+def test_without_a_compiler_one_warning_and_torch_ops(tmp_path):
+    p = _tiny_load(tmp_path, {"CXX": str(tmp_path / "no-such-compiler")})
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and out.split() == ["None"], err
+    warnings = [line for line in err.splitlines() if "using torch's ops" in line]
+    assert len(warnings) == 1 and "could not build pdserve's CPU kernels" in warnings[0], err
