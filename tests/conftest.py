@@ -59,6 +59,14 @@ def tiny_opt(make_tiny):
     return make_tiny("opt")
 
 
+@pytest.fixture(scope="module", params=KERNEL_ISAS or [None])
+def isa_or_torch(request):
+    """cpu_isa where a build runs here; else one run on torch's ops instead of a skip."""
+    kernels.use_isa(request.param)
+    yield request.param
+    kernels.use_isa(None)
+
+
 @pytest.fixture
 def bf16_dot(cpu_isa):
     """Skips where the build in use has no AVX512-BF16 dot products (its bf16 weights then take the

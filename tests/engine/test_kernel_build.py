@@ -1,11 +1,9 @@
 """The kernel build: one per instruction set, named after its inputs, never waiting on a lock a
-killed build left, shared safely by processes that load it at once, and without a compiler one
-warning and torch's ops."""
+killed build left (test_kernel_first_use.py: processes building at once, no compiler)."""
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -32,6 +30,16 @@ def test_forced_avx2_is_honoured(monkeypatch):
     assert kernels.selected_isa() == "avx2" and not kernels.cpu_supports_avx512() and not kernels.cpu_supports_bf16_dot()
     monkeypatch.setenv("PDSERVE_CPU_ISA", "auto")
     assert kernels.selected_isa() == kernels.supported_isas()[0]
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "sse9")   # a typo: said once, then the best this CPU runs
+    assert kernels.selected_isa() == kernels.supported_isas()[0]
+
+
+def test_build_kernels_command_builds_ahead_of_use(cpu_isa):
+    kernels.cpu_ops()   # built (or found) here first: the command then only finds it
+    r = subprocess.run([sys.executable, "-m", "pdserve", "build-kernels", "--isa", cpu_isa], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [f"{cpu_isa}:", kernels.cpu_ops().__file__]
 
 
 def test_stale_lock_from_a_killed_build_is_removed():
@@ -91,42 +99,3 @@ def test_a_checkout_elsewhere_with_the_same_kernels_reuses_the_build(tmp_path):
     assert r.stdout.strip() == kernels.build_name()
     assert os.stat(built).st_mtime_ns == before   # not compiled again
 
-
-# A stand-in for the kernels (a one-function extension) keeps the build short.
-TINY = textwrap.dedent("""
-    #include <torch/extension.h>
-    int answer() { return 42; }
-    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
-""")
-
-
-def _tiny_load(tmp_path, env_extra=None):
-    src = tmp_path / "tiny.cpp"
-    src.write_text(TINY)
-    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING, stream=sys.stderr); "
-            "from pdserve import kernels as k; k.SOURCES = [%r]; k.HEADERS = []; "
-            "ops = k.cpu_ops(); print(ops.answer() if ops else None, ops.__file__ if ops else '')" % str(src))
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PDSERVE_CPU_ISA": kernels.selected_isa(),
-           **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
-
-
-def test_two_processes_building_at_once_both_load_one_build(tmp_path):
-    # a server started while the tests build: neither fails nor overwrites the other's build
-    first, second = _tiny_load(tmp_path), _tiny_load(tmp_path)
-    outs = [p.communicate(timeout=900) for p in (first, second)]
-    assert [p.returncode for p in (first, second)] == [0, 0], outs
-    answers = [out.split() for out, _ in outs]
-    assert answers[0][0] == answers[1][0] == "42" and answers[0][1] == answers[1][1]
-    logs = outs[0][1] + outs[1][1]
-    assert logs.count("compiling pdserve's CPU kernels") == 1   # one built, with a visible line
-    assert "waiting for another process's build" in logs
-
-
-def test_without_a_compiler_one_warning_and_torch_ops(tmp_path):
-    p = _tiny_load(tmp_path, {"CXX": str(tmp_path / "no-such-compiler")})
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 0 and out.split() == ["None"], err
-    warnings = [line for line in err.splitlines() if "using torch's ops" in line]
-    assert len(warnings) == 1 and "could not build pdserve's CPU kernels" in warnings[0], err
