@@ -1,4 +1,5 @@
 """benchmarks/quant_accuracy.py's metrics, on made-up distributions, and one real run on a tiny model."""
+import pytest
 import torch
 
 from benchmarks import quant_accuracy
