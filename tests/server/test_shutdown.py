@@ -37,12 +37,12 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server, make_tin
     # OPT: another family, and a checkpoint without a chat template. A longer context than the
     # shared tiny model's, so that one request can outlast the shutdown timeout.
     model = make_tiny("opt", max_position_embeddings=16384)
-    server = start_server(model, "--shutdown-timeout", "3", "--max-num-seqs", "4")
+    server = start_server(model, "--shutdown-timeout", "6", "--max-num-seqs", "4")
     messages = [{"role": "user", "content": "Hello"}]
     chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 4}).json()
     rendered = httpx.post(server.url + "/tokenize", json={"prompt": "user: Hello\nassistant:"}).json()
     assert chat["usage"]["prompt_tokens"] == rendered["count"]   # the tokenizer's plain fallback template
-    n_short = tokens_in(server.url, 0.5, 8, 200)   # well within the 3 s timeout, beside two other streams
+    n_short = tokens_in(server.url, 0.5, 8, 200)   # well within the 6 s timeout, beside two other streams
     short = {"prompt": "Once upon a time", "max_tokens": n_short, "ignore_eos": True, "temperature": 0,
              "stream_options": {"include_usage": True}}
     endless = {"prompt": "Far away", "max_tokens": 16000, "ignore_eos": True}   # far longer than the timeout
@@ -77,7 +77,7 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server, make_tin
         r = c.result()
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutdown_timeout"
     assert server.proc.wait(30) == 0
-    assert 2.5 < time.monotonic() - t0 < 20   # waited for the timeout, then ended the endless ones
+    assert 5.5 < time.monotonic() - t0 < 30   # waited for the timeout, then ended the endless ones
 
 
 def test_sigterm_under_load_finishes_every_admitted_stream(start_server, tiny_llama):
