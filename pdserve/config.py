@@ -131,7 +131,11 @@ class EngineConfig:
     quantization: str | None = option(None, "weight-only int8 linears (per-channel scales; CPU kernels only)",
                                       choices=["int8"])
     cpu_kernels: bool | None = option(None, "CPU: linears, attention, norms and rotary on pdserve's own kernels "
-                                      "(default: where they build); --no-cpu-kernels uses torch's ops")
+                                      "(default: where they build: AVX2 or AVX-512 and a C++ compiler; "
+                                      "PDSERVE_CPU_ISA=avx2|avx512 picks the build); --no-cpu-kernels uses torch's ops")
+    threads: int | None = option(None, "CPU threads of the forward (default: the cores this process may use, its "
+                                 "affinity mask); on a machine other work keeps busy, fewer can be much faster",
+                                 min=1, metavar="N")
     profile_steps: int | None = option(None, "log where engine steps spend their time (schedule, prepare, "
                                        "forward, sample, output) every N steps", min=0, metavar="N")
     enable_prefix_caching: bool = option(
@@ -176,6 +180,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not 0 < v < float("inf"):
                 raise ConfigError(f"{name} must be a number of milliseconds > 0, got {v!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -10,6 +10,7 @@ design rests on: prefill is compute-bound, decode is memory-bound, batching deco
 weight read but not the KV read, and decoding without a cache costs a prefill per token."""
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -166,8 +167,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-batches", type=int_list, default=None, help="comma-separated decode batch sizes")
     parser.add_argument("--decode-contexts", type=int_list, default=None,
                         help="comma-separated decode context lengths (also the nocache points)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads for the probes and the engine (default: torch's own choice)")
     parser.add_argument("--overhead-batch", type=int, default=8, help="decode batch for the engine overhead")
     parser.add_argument("--overhead-steps", type=int_at_least(1), default=OVERHEAD_STEPS,
                         help=f"decode steps timed for the engine overhead, the median reported (default "
@@ -223,8 +222,7 @@ def run(args) -> int:
     if (kwargs["device"] or "cpu") != "cpu":
         print("pdserve roofline: error: the machine probes measure the CPU; run it with --device cpu")
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))   # the probes' threads are the engine's
     if args.cost_model:
         return print_cost_model(args, kwargs)
     repeats = args.repeats or (QUICK if args.quick else FULL)["repeats"]

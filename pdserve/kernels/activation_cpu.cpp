@@ -4,9 +4,16 @@
 // at prefill 2048 on the 0.5B model that was ~0.3 s per forward.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include "vec512.h"
+#include "vec.h"
 #include "buffer_pool.h"
+
+using pdserve::fVec;
+using pdserve::kVec;
+
+// silu(g) * u = g / (1 + exp(-g)) * u, lane by lane
+inline fVec silu_mul(const fVec& g, const fVec& u) {
+  return g / (fVec(1.f) + pdserve::exp(fVec(0.f) - g)) * u;
+}
 
 // x: (T, 2I) fp32 contiguous, gate = x[:, :I], up = x[:, I:]. Returns (T, I) fp32.
 torch::Tensor silu_and_mul(torch::Tensor x) {
@@ -23,13 +30,9 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       const float* g = px + t * 2 * I;
       const float* u = g + I;
       float* o = po + t * I;
-      for (int64_t i = 0; i < I; i += 16) {
-        const __mmask16 m = pdserve::lanes(I - i);
-        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
-        // silu(g) = g / (1 + exp(-g))
-        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), pdserve::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
-      }
+      int64_t i = 0;
+      for (; i + kVec <= I; i += kVec) silu_mul(fVec::loadu(g + i), fVec::loadu(u + i)).store(o + i);
+      if (i < I) silu_mul(fVec::loadu(g + i, I - i), fVec::loadu(u + i, I - i)).store(o + i, I - i);
     }
   });
   return out;

@@ -8,6 +8,8 @@
 #include <vector>
 
 using namespace pdserve::tiles;
+using pdserve::fVec;
+using pdserve::kVec;
 
 namespace {
 
@@ -24,8 +26,8 @@ struct RowBest {
   }
 };
 
-// What both argmax policies share: each thread's tiles go to its own scratch block (M x 64, the
-// group's columns), read back in done() once their last k-block is in; of a group's 64 columns
+// What both argmax policies share: each thread's tiles go to its own scratch block (M x NP x 16,
+// the group's columns), read back in done() once their last k-block is in; of a group's columns
 // the first `valid` are real (the rest is padding, never a result).
 struct ThreadScratch {
   float* scratch;                    // threads x M x 64
@@ -34,9 +36,12 @@ struct ThreadScratch {
   int64_t ld() const { return NP * PANEL; }
   float* row(int t, int64_t m) const { return scratch + (t * M + m) * NP * PANEL; }
   int64_t valid(int64_t c0) const { return std::min<int64_t>(NP * PANEL, n - c0); }
-  // lanes of panel j that hold real columns
-  static __mmask16 in(int64_t valid, int j) { return valid > j * PANEL ? pdserve::lanes(valid - j * PANEL) : 0; }
+  // how many of vector j's lanes hold real columns
+  static int in(int64_t valid, int j) { return static_cast<int>(std::clamp<int64_t>(valid - j * kVec, 0, kVec)); }
 };
+
+// whether any lane of a comparison's result is set
+inline bool any(const fVec& mask) { return mask.zero_mask() != (1 << kVec) - 1; }
 
 struct ArgmaxOut : ThreadScratch {
   std::vector<RowBest>* best;        // threads x M
@@ -47,32 +52,34 @@ struct ArgmaxOut : ThreadScratch {
     for (int64_t m = m0; m < m0 + mt; ++m) {
       const float* row = this->row(t, m);
       RowBest& b = best[t][m];
-      __m512 v[NP], mx = _mm512_set1_ps(-INFINITY);
-      __mmask16 nan = 0;
-      for (int j = 0; j < NP; ++j) {
-        const __mmask16 in = ThreadScratch::in(valid, j);   // padding never wins
-        v[j] = _mm512_maskz_loadu_ps(in, row + j * PANEL);
+      constexpr int NV = NP * VP;   // vectors of the group's columns
+      fVec v[NV], mx(-INFINITY);
+      bool nan = false;
+      for (int j = 0; j < NV; ++j) {
+        const int in = ThreadScratch::in(valid, j);   // padding never wins
+        v[j] = fVec::loadu(row + j * kVec, in);
         if (scale) {
-          v[j] = _mm512_mul_ps(v[j], _mm512_maskz_loadu_ps(in, scale + c0 + j * PANEL));
-          asm("" : "+v"(v[j]));   // rounded here, as y.mul_(scale) does: never fused with the bias add
+          v[j] = v[j] * fVec::loadu(scale + c0 + j * kVec, in);
+          pdserve::fence(v[j]);   // rounded here, as y.mul_(scale) does: never fused with the bias add
         }
-        if (bias) v[j] = _mm512_add_ps(v[j], _mm512_maskz_loadu_ps(in, bias + c0 + j * PANEL));
-        v[j] = _mm512_mask_blend_ps(in, _mm512_set1_ps(-INFINITY), v[j]);
-        nan |= _mm512_cmp_ps_mask(v[j], v[j], _CMP_UNORD_Q);
-        mx = _mm512_max_ps(mx, v[j]);
+        if (bias) v[j] = v[j] + fVec::loadu(bias + c0 + j * kVec, in);
+        v[j] = fVec::set(fVec(-INFINITY), v[j], in);
+        nan = nan || any(v[j].isnan());
+        mx = pdserve::maxps(mx, v[j]);
       }
       // columns ascend within a thread: a later column wins only if strictly greater (or the first NaN)
-      if (!nan && b.i >= 0 && !_mm512_cmp_ps_mask(mx, _mm512_set1_ps(b.v), _CMP_GT_OQ)) continue;
-      for (int j = 0; j < NP; ++j) {
-        alignas(64) float vals[PANEL];
-        _mm512_store_ps(vals, v[j]);
-        for (int l = 0; l < PANEL && j * PANEL + l < valid; ++l)
-          if (b.beaten_by(vals[l], c0 + j * PANEL + l)) b = RowBest{vals[l], c0 + j * PANEL + l};
+      if (!nan && b.i >= 0 && !any(mx > fVec(b.v))) continue;
+      for (int j = 0; j < NV; ++j) {
+        alignas(64) float vals[kVec];
+        v[j].store(vals);
+        for (int l = 0; l < kVec && j * kVec + l < valid; ++l)
+          if (b.beaten_by(vals[l], c0 + j * kVec + l)) b = RowBest{vals[l], c0 + j * kVec + l};
       }
     }
   }
 };
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 // The screen of a screened argmax (packed_linear_argmax_screened): each column's bf16 dot product
 // A with an error radius E, such that the exact fp32 logit lies in [A - E, A + E]. Per thread and
 // row it keeps the largest lower bound seen so far and every column whose upper bound reaches it
@@ -96,7 +103,7 @@ struct ScreenOut : ThreadScratch {
       __m512 hi[NP], mx = ninf;
       __mmask16 in[NP];
       for (int j = 0; j < NP; ++j) {
-        in[j] = ThreadScratch::in(valid, j);   // padding is never kept
+        in[j] = valid > j * PANEL ? (valid - j * PANEL >= 16 ? 0xFFFF : (1u << (valid - j * PANEL)) - 1) : 0;   // padding is never kept
         const __m512 a = _mm512_maskz_loadu_ps(in[j], row + j * PANEL);
         // |A| 2^-21 covers the fp32 rounding of these adds (the radius carries the rest, kernel docs)
         const __m512 e = _mm512_fmadd_ps(r, _mm512_maskz_loadu_ps(in[j], col_norm + c0 + j * PANEL),
@@ -120,6 +127,7 @@ struct ScreenOut : ThreadScratch {
     }
   }
 };
+#endif
 
 }  // namespace
 
@@ -147,9 +155,12 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch:
   const ArgmaxOut out{{scratch.data_ptr<float>(), M, n}, best.data(), scaled ? scale.data_ptr<float>() : nullptr,
                       biased ? bias.data_ptr<float>() : nullptr};
   if (pairs) {
+    TORCH_CHECK(kBf16Dot, "k-pair panels need a build with AVX512-BF16 (this one is ", pdserve::kIsa, ")");
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
     auto xb = x.to(at::kBFloat16);
     linear_dp_impl(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K,
                    reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, out);
+#endif
   } else if (packed.scalar_type() == at::kFloat) {
     linear_impl<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), Npad, out);
   } else if (packed.scalar_type() == at::kBFloat16) {
@@ -169,6 +180,7 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch:
   return result;
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 // The fp32 kernel's logits of columns `cols` (ascending) for one row x, into vals: a panel's 16
 // columns in one chain of vector fmas over k from 0, as the kernel's lanes sum them (each lane
 // acc = fma(x[k], W[c][k], acc)), four panels at a time so that the chains overlap. panels and
@@ -297,3 +309,9 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
   }
   return result;
 }
+#else
+torch::Tensor packed_linear_argmax_screened(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double, int64_t,
+                                            torch::Tensor) {
+  TORCH_CHECK(false, "the screened argmax needs a build with AVX512-BF16 (this one is ", pdserve::kIsa, ")");
+}
+#endif

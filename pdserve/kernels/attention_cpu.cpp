@@ -4,8 +4,7 @@
 // sharing a KV head are handled together, so each K/V row is read once per group, not per head.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include "vec512.h"
+#include "vec.h"
 #include <algorithm>
 #include <cmath>
 #include <tuple>
@@ -13,34 +12,39 @@
 
 namespace {
 
-using pdserve::exp512;
-using pdserve::load16;
+using pdserve::fVec;
+using pdserve::kVec;
+constexpr int VP = 16 / kVec;   // vectors per 16 elements
 
 // softmax in place over s[0:n]
 inline void softmax(float* s, int64_t n) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = pdserve::lanes(n - i);
-    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + i));
+  const fVec ninf(-INFINITY);
+  fVec mx = ninf;
+  for (int64_t i = 0; i < n; i += kVec) {
+    const int64_t c = std::min<int64_t>(kVec, n - i);
+    mx = pdserve::maxps(mx, fVec::set(ninf, fVec::loadu(s + i, c), c));
   }
-  const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = pdserve::lanes(n - i);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), vmax)));
-    _mm512_mask_storeu_ps(s + i, m, e);
-    sum = _mm512_add_ps(sum, e);
+  const fVec vmax(pdserve::reduce_max(mx));
+  fVec sum(0.f);
+  for (int64_t i = 0; i < n; i += kVec) {
+    const int64_t c = std::min<int64_t>(kVec, n - i);
+    const fVec e = fVec::set(fVec(0.f), pdserve::exp(fVec::loadu(s + i, c) - vmax), c);
+    e.store(s + i, c);
+    sum = sum + e;
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = pdserve::lanes(n - i);
-    _mm512_mask_storeu_ps(s + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + i), inv));
+  const fVec inv(1.f / pdserve::reduce_add(sum));
+  for (int64_t i = 0; i < n; i += kVec) {
+    const int64_t c = std::min<int64_t>(kVec, n - i);
+    (fVec::loadu(s + i, c) * inv).store(s + i, c);
   }
 }
 
-// The 16 horizontal sums of v[0..15] as one vector (lane j = sum of v[j]), by a transpose-add
-// tree: 45 shuffles and adds instead of 16 latency-bound reductions.
-inline __m512 sum16(const __m512* v) {
+// The kVec horizontal sums of v[0..kVec) as one vector (lane j = sum of v[j]), by a transpose-add
+// tree instead of kVec latency-bound reductions: shuffles the vector layer does not have.
+#if defined(CPU_CAPABILITY_AVX512)
+inline fVec transpose_sum(const fVec* fv) {
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = fv[i];
   __m512 t[8], u[4];
   for (int i = 0; i < 8; ++i)   // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -53,24 +57,48 @@ inline __m512 sum16(const __m512* v) {
   const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+inline fVec transpose_sum(const fVec* fv) {
+  __m256 v[8];
+  for (int i = 0; i < 8; ++i) v[i] = fv[i];
+  // per 128-bit lane: pairwise sums, then sums of four, of two vectors at a time
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // low lanes + high lanes: lanes 0-3 the sums of v[0..3], 4-7 those of v[4..7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#else
+inline fVec transpose_sum(const fVec* v) {
+  alignas(64) float s[kVec];
+  for (int i = 0; i < kVec; ++i) s[i] = pdserve::reduce_add(v[i]);
+  return fVec::loadu(s);
+}
+#endif
+
+// prefetcht2 of the line at p, kept even where the compiler would drop a prefetch it finds idle
+// (GCC 12 dropped this loop's prefetches when it had nothing else to do, and batch 4-32 ran slower)
+inline void prefetch_l2_kept(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht2 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 1);
+#endif
+}
 
 // Ask for the next tile's cache slots while this one is computed: they sit in scattered blocks,
 // where the hardware prefetcher does not look ahead (n may be <= 0). Into L2, not L1 (T2, not T0):
 // an L1 prefetch holds one of the core's few L1 miss buffers until its line arrives, and the
-// prefetch instructions themselves stalled on them; through L2 more lines are in flight at once
-// (1.40-1.62x per call at batch 1-32 on a lab cache of 4 KiB pages; on the engine's huge pages it
-// pays at batch 1 and in bf16, docs/BENCHMARKS.md).
+// prefetch instructions themselves stalled on them; through L2 more lines are in flight at once.
 // A task that reads whole slots (all of a sequence's KV heads: 128 lines a tile at Qwen-0.5B's
 // heads) asks for them in parts, one before each of the tile's head loops, rather than all at the
-// tile's start: 1.12-1.27x per call at batch 16-32, 1.02-1.10x at 4
-// (perf/decode_attention_labs/spread_ab.txt). A task with part of each slot (batch 1-3) asks at
-// the tile's start: spread, it was 0.76-0.93x.
-// The burst keeps its own loop: as prefetch_part(rows, n, bytes, 0, 1), batch 1 ran at 0.83-0.89x.
+// tile's start, so that the requests do not queue behind each other; a task with part of each
+// slot (batch 1-3) asks at the tile's start, where spreading them measured slower. The burst
+// keeps its own loop: as prefetch_part(rows, n, bytes, 0, 1) batch 1 measured slower.
 template <typename T>
 inline void prefetch_rows(const T* const* rows, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t off = 0; off < bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + off, _MM_HINT_T2);
+      __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + off, 0, 1);   // prefetcht2
 }
 
 // Part i of n of prefetch_rows(rows, m, bytes): its lines total * i / n .. total * (i + 1) / n.
@@ -79,32 +107,32 @@ inline void prefetch_part(const T* const* rows, int64_t m, int64_t bytes, int64_
   const int64_t lines = (bytes + 63) / 64, total = std::max<int64_t>(0, m) * lines, end = total * (i + 1) / n;
   int64_t l = total * i / n, j = l / lines, line = l % lines;
   for (; l < end; ++l) {
-    // asm volatile, not _mm_prefetch: GCC 12 dropped this loop's prefetches when it had nothing
-    // else to do (objdump showed none left; batch 4-32 then ran at 0.62-0.72x)
-    asm volatile("prefetcht2 %0" : : "m"(*(reinterpret_cast<const char*>(rows[j]) + line * 64)));
+    prefetch_l2_kept(reinterpret_cast<const char*>(rows[j]) + line * 64);
     if (++line == lines) line = 0, ++j;
   }
 }
 
-// Heads per pass-2 chunk: 16 accumulators in registers.
-template <int C> constexpr int64_t kMaxHeads = 16 / C > 0 ? 16 / C : 1;
+// Heads per pass-2 chunk: half the vector registers as accumulators (16 of AVX-512's 32).
+constexpr int kAccRegs = kVec == 16 ? 16 : 8;
+template <int C> constexpr int64_t kMaxHeads = kAccRegs / (C * VP) > 0 ? kAccRegs / (C * VP) : 1;
 
 // o[g] += sum_j s[g * ls + j] * v[j] for g < GN heads and j < nk value rows; o rows 16 C apart.
 template <typename T, int C, int GN>
 inline void weigh_values_n(const T* const* vrows, int64_t off, int64_t nk, const float* s, int64_t ls, float* o) {
-  __m512 acc[GN][C];
+  constexpr int CV = C * VP;   // vectors per head row
+  fVec acc[GN][CV];
   for (int g = 0; g < GN; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(o + (g * C + c) * 16);
+    for (int c = 0; c < CV; ++c) acc[g][c] = fVec::loadu(o + (g * CV + c) * kVec);
   for (int64_t j = 0; j < nk; ++j) {
-    __m512 v[C];
-    for (int c = 0; c < C; ++c) v[c] = load16<T>(vrows[j] + off + 16 * c);
+    fVec v[CV];
+    for (int c = 0; c < CV; ++c) v[c] = pdserve::load<T>(vrows[j] + off + kVec * c);
     for (int g = 0; g < GN; ++g) {
-      const __m512 w = _mm512_set1_ps(s[g * ls + j]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+      const fVec w(s[g * ls + j]);
+      for (int c = 0; c < CV; ++c) acc[g][c] = at::vec::fmadd(w, v[c], acc[g][c]);
     }
   }
   for (int g = 0; g < GN; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (g * C + c) * 16, acc[g][c]);
+    for (int c = 0; c < CV; ++c) acc[g][c].store(o + (g * CV + c) * kVec);
 }
 
 // weigh_values_n with the head count a run-time value in 1..kMaxHeads<C>
@@ -166,15 +194,18 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
         for (int64_t h = 0; h < nh; ++h) {
           for (int64_t g = h * G; g < (h + 1) * G; ++g) {
             if (spread) prefetch_part(krows.data() + i0 + 16, next, slot_bytes, g, nh * G);
-            __m512 qv[C];
-            for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs.data() + g * D + 16 * c);
-            __m512 acc[16];
-            for (int j = 0; j < 16; ++j) {
-              const T* k = krows[i0 + std::min<int64_t>(j, nk - 1)] + h * D;
-              acc[j] = _mm512_mul_ps(qv[0], load16<T>(k));
-              for (int c = 1; c < C; ++c) acc[j] = _mm512_fmadd_ps(qv[c], load16<T>(k + 16 * c), acc[j]);
+            constexpr int CV = C * VP;
+            fVec qv[CV];
+            for (int c = 0; c < CV; ++c) qv[c] = fVec::loadu(qs.data() + g * D + kVec * c);
+            for (int j0 = 0; j0 < 16; j0 += kVec) {   // kVec keys' partial sums, reduced together
+              fVec acc[kVec];
+              for (int j = 0; j < kVec; ++j) {
+                const T* k = krows[i0 + std::min<int64_t>(j0 + j, nk - 1)] + h * D;
+                acc[j] = qv[0] * pdserve::load<T>(k);
+                for (int c = 1; c < CV; ++c) acc[j] = at::vec::fmadd(qv[c], pdserve::load<T>(k + kVec * c), acc[j]);
+              }
+              if (j0 < nk) transpose_sum(acc).store(scores.data() + g * len + i0 + j0, std::min<int64_t>(kVec, nk - j0));
             }
-            _mm512_mask_storeu_ps(scores.data() + g * len + i0, pdserve::lanes(nk), sum16(acc));
           }
         }
       }

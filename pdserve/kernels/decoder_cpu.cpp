@@ -4,13 +4,13 @@
 // between them, each run cold after the weight stream has flushed the caches: ~10% of a batch-1
 // decode step of the 0.5B model. And the whole forward runs without the GIL, so the server's
 // event loop does not take turns with it. Activations stay fp32 throughout: a bf16 model keeps
-// bf16 weights (read by the AVX512-BF16 kernel, which takes bf16 rows) and a bf16 KV cache.
+// bf16 weights (read by the AVX512-BF16 kernel, which takes bf16 rows, where the build has it) and a bf16 KV cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <cstring>
 #include "decoder.h"
 #include "ops.h"
+#include "vec.h"
 
 namespace pdserve {
 
@@ -21,9 +21,9 @@ constexpr int64_t kGlueGrain = 1 << 16;
 
 // y (T, n) contiguous += bias (n): a plain loop instead of add_, whose set-up (a TensorIterator)
 // costs microseconds a call on the caches a forward leaves (under torch.profiler, 14% of the ATen
-// self time of 0.5B batch-1 steps: perf/stack_glue/).
+// self time of 0.5B batch-1 steps).
 // Biased linears (Qwen2's qkv, OPT's) have n = heads x head_dim or hidden = heads x head_dim,
-// a multiple of 16 for every head size the attention kernels take.
+// a multiple of 16 (and so of kVec) for every head size the attention kernels take.
 void add_bias(torch::Tensor& y, const torch::Tensor& bias) {
   const int64_t T = y.size(0), n = y.size(1);
   TORCH_CHECK(n % 16 == 0 && bias.numel() == n, "bias of ", bias.numel(), " for rows of ", n);
@@ -31,8 +31,8 @@ void add_bias(torch::Tensor& y, const torch::Tensor& bias) {
   const float* b = bias.data_ptr<float>();
   at::parallel_for(0, T, std::max<int64_t>(1, kGlueGrain / n), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t c = 0; c < n; c += 16)
-        _mm512_storeu_ps(out + t * n + c, _mm512_add_ps(_mm512_loadu_ps(out + t * n + c), _mm512_loadu_ps(b + c)));
+      for (int64_t c = 0; c < n; c += kVec)
+        (fVec::loadu(out + t * n + c) + fVec::loadu(b + c)).store(out + t * n + c);
   });
 }
 

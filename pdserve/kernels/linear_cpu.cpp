@@ -38,10 +38,13 @@ torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed) {
               packed.is_contiguous(), "bad pair-packed weight");
   const int64_t M = x.size(0), K = x.size(1), Npad = packed.size(0) * PANEL;
   TORCH_CHECK(K % 2 == 0 && packed.size(1) * 2 == K && Npad % (PANEL * NP) == 0, "packed weight does not match x");
+  TORCH_CHECK(kBf16Dot, "packed_linear_bf16_pairs needs a build with AVX512-BF16 (this one is ", pdserve::kIsa, ")");
   auto y = pdserve::pooled_empty({M, Npad});
   if (M == 0) return y;
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
   linear_dp_impl(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
                  reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, DenseOut{y.data_ptr<float>(), Npad});
+#endif
   return y;
 }
 

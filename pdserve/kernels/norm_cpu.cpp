@@ -3,36 +3,36 @@
 // region (a few tens of microseconds apiece at decode sizes, 2 x 24 of them per step).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include "vec512.h"
+#include "vec.h"
 #include <cmath>
 
 namespace {
 
-using pdserve::lanes;
+using pdserve::fVec;
+using pdserve::kVec;
 
 constexpr int64_t kMinParallelBytes = 256 << 10;   // smaller: one thread (see packed_tiles.h)
 
 
 // y = w * x / sqrt(mean(x^2) + eps) for one row of n; with add, x is first replaced by x + r
 // (written back to r: the residual stream), and the norm is taken of that sum.
+// Lanes past a row's end load as zeros and are not stored.
 inline void norm_row(float* x, float* r, const float* w, float* y, int64_t n, float eps, bool add) {
-  __m512 ss = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+  fVec ss(0.f);
+  for (int64_t i = 0; i < n; i += kVec) {
+    const int64_t c = std::min<int64_t>(kVec, n - i);
+    fVec v = fVec::loadu(x + i, c);
     if (add) {
-      v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, r + i));
-      _mm512_mask_storeu_ps(r + i, m, v);
+      v = v + fVec::loadu(r + i, c);
+      v.store(r + i, c);
     }
-    ss = _mm512_fmadd_ps(v, v, ss);
+    ss = at::vec::fmadd(v, v, ss);
   }
-  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / float(n) + eps);
+  const float inv = 1.0f / std::sqrt(pdserve::reduce_add(ss) / float(n) + eps);
   const float* src = add ? r : x;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), _mm512_set1_ps(inv));
-    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
+  for (int64_t i = 0; i < n; i += kVec) {
+    const int64_t c = std::min<int64_t>(kVec, n - i);
+    (fVec::loadu(src + i, c) * fVec(inv) * fVec::loadu(w + i, c)).store(y + i, c);
   }
 }
 

@@ -4,6 +4,7 @@
 #include <utility>
 #include "decoder.h"
 #include "ops.h"
+#include "vec.h"
 
 namespace {
 
@@ -55,11 +56,14 @@ py::tuple step_from_ints(const py::list& ints, const py::list& decode_tables, co
 
 // All release the GIL while they run, as torch's own ops do: the server's asyncio thread keeps
 // answering (/health, refusals, streaming) while the engine thread computes.
+// The classes are module_local: each instruction set's build is its own module, and a process
+// (the tests) may load both.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("isa") = pdserve::kIsa;
   m.def("packed_linear", &packed_linear, "y = x @ W^T with W packed in 16-channel panels (linear_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear_bf16_pairs", &packed_linear_bf16_pairs,
-        "y = x @ W^T, bf16 x and W in k-pair panels, AVX512-BF16 dot products (linear_cpu.cpp)",
+        "y = x @ W^T, bf16 x and W in k-pair panels, AVX512-BF16 dot products (linear_cpu.cpp; AVX-512 build)",
         py::call_guard<py::gil_scoped_release>());
   m.def("packed_rows", &packed_rows, "rows W[ids] of a packed weight, fp32 (linear_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
@@ -83,7 +87,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bytes of freed big outputs the kernels keep for reuse (buffer_pool.cpp)");
   m.def("write_cache", &pdserve::write_cache, "cache[slots[t]] = x[t], bf16 rounded as .to() rounds (decoder_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
-  py::class_<pdserve::AttentionStep>(m, "AttentionStep", "one step's paged-attention metadata (decoder.h)")
+  py::class_<pdserve::AttentionStep>(m, "AttentionStep", "one step's paged-attention metadata (decoder.h)", py::module_local())
       .def_static("from_ints", &step_from_ints,
                   "(the flat lists before the slot mapping as tensors, the step) from the step's lists (see step_from_ints)")
       .def_readonly("slot_mapping", &pdserve::AttentionStep::slot_mapping)
@@ -97,11 +101,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("prefill_ctx", &pdserve::AttentionStep::prefill_ctx)
       .def_readonly("block_size", &pdserve::AttentionStep::block_size)
       .def_readonly("sliding_window", &pdserve::AttentionStep::sliding_window);
-  py::class_<pdserve::LlamaStack>(m, "LlamaStack", "a Llama-family decoder stack in one call (decoder_cpu.cpp)")
+  py::class_<pdserve::LlamaStack>(m, "LlamaStack", "a Llama-family decoder stack in one call (decoder_cpu.cpp)",
+                                  py::module_local())
       .def(py::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, int64_t, int64_t, int64_t, int64_t, double,
                     double>())
       .def("forward", &pdserve::LlamaStack::forward, py::call_guard<py::gil_scoped_release>());
-  py::class_<pdserve::OptStack>(m, "OptStack", "an OPT decoder stack in one call (decoder_cpu.cpp)")
+  py::class_<pdserve::OptStack>(m, "OptStack", "an OPT decoder stack in one call (decoder_cpu.cpp)", py::module_local())
       .def(py::init<std::vector<std::vector<torch::Tensor>>, int64_t, int64_t, int64_t, bool, std::string, double,
                     double>())
       .def("forward", &pdserve::OptStack::forward, py::call_guard<py::gil_scoped_release>());

@@ -1,6 +1,7 @@
 // The packed linear kernel's tiles and blocking, shared by the dense products (linear_cpu.cpp)
 // and the fused argmax ones (argmax_cpu.cpp): W pre-packed into panels of 16 output channels so
-// that every weight is read once, sequentially, whatever the number of rows.
+// that every weight is read once, sequentially, whatever the number of rows. The layout is the
+// same for every instruction set; a tile's shape is not (kRows x NP below).
 //
 // Why: torch's fp32 GEMM (MKL) reads weights at well under DRAM bandwidth for 1..32 rows on this
 // machine (docs/BENCHMARKS.md), and decode is nothing but such products. Packed layout:
@@ -11,20 +12,31 @@
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include "vec512.h"
+#include "vec.h"
 #include <cstring>
 #include <type_traits>
 
 namespace pdserve::tiles {
 
-constexpr int PANEL = 16;   // output channels per panel: one zmm of fp32
+constexpr int PANEL = 16;   // output channels per panel: a 64-byte line of fp32
+constexpr int VP = PANEL / kVec;   // vectors per panel
+// A micro-tile is kRows x NP panels, its kRows x NP x VP accumulators in registers beside one
+// vector per panel of weights and the broadcast x: 6 x 4 zmm of AVX-512's 32 registers, and the
+// classic 6 x 16-channel tile (12 ymm of 16) with AVX2.
+#if defined(CPU_CAPABILITY_AVX512)
 constexpr int NP = 4;       // panels per micro-tile (64 outputs)
+#else
+constexpr int NP = 1;
+#endif
+constexpr int kRows = 6;    // rows per micro-tile
 constexpr int KB = 512;     // k-block: NP panels x KB rows of weights stay in L2 across row tiles
 constexpr int MB = 96;      // row block: its x rows stay in L2 while all weights stream past once
 constexpr int64_t kMinParallelBytes = 512 << 10;  // less weight traffic (x row tiles) than this: one thread
 
-using pdserve::load16;
+using pdserve::fVec;
+using pdserve::kVec;
+
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }   // prefetcht2 on x86
 
 // The next weight block a thread reads (its group's next k-block, or the next group's first),
 // prefetched into L2 a line per k-step during the later row tiles of the current block, so that
@@ -33,8 +45,7 @@ using pdserve::load16;
 // With 2 or 3 row tiles (7-18 rows) there is too little compute after the first tile to spread a
 // whole block over, and instead each k-step of a tile asks for its panels' lines `ahead` k-steps
 // on: the first tile's stream runs ahead of its loads, and the later tiles start the next k-block's
-// stream before the next first tile needs it (AheadTiles says for which tile counts: fp32 engine
-// steps at 12-16 rows 1.03-1.09x, bf16 pairs at 6-24 rows 1.05-1.29x: perf/linear_labs/). Past a
+// stream before the next first tile needs it (AheadTiles says for which tile counts). Past a
 // matrix's end it asks for lines that are not ours: harmless, a prefetch never faults.
 struct NextBlock {
   const char* base = nullptr;
@@ -42,18 +53,17 @@ struct NextBlock {
   int64_t ahead = 0;
   inline void prefetch_one() {
     if (next < end) {
-      _mm_prefetch(base + (next / lines) * panel_bytes + (next % lines) * 64, _MM_HINT_T2);
+      prefetch_l2(base + (next / lines) * panel_bytes + (next % lines) * 64);
       ++next;
     }
   }
 };
-constexpr int64_t kMinPrefetchTiles = 4;   // from 19 rows; fewer: 0.98-1.0x at 16 rows, slower at 1
+constexpr int64_t kMinPrefetchTiles = 4;   // from 19 rows: with fewer tiles it measured no faster
 constexpr int64_t kAheadSteps = 32;        // k-steps (2 KB of a panel, fp32 or bf16 pairs)
 
-// The row-tile counts whose tiles prefetch `ahead`, measured per kernel (perf/linear_labs/): fp32
-// 2-3 tiles (one tile: 0.90-1.03x); bf16 pairs 1-4 tiles, where each k-step does twice the
-// multiply-adds and the stream falls behind more (6 rows 1.29x, 8-16 rows 1.11-1.17x, 20-24 rows
-// 1.05x alongside the next-block prefetch; 28-32 rows 0.98-1.02x, so not from 5 tiles).
+// The row-tile counts whose tiles prefetch `ahead`, measured per kernel with AVX-512's tiles: fp32
+// 2-3 tiles (one tile gained nothing); bf16 pairs 1-4 tiles, where each k-step does twice the
+// multiply-adds and the stream falls behind more (from 5 tiles it gained nothing).
 struct AheadTiles {
   int64_t min, max;
 };
@@ -64,22 +74,21 @@ constexpr AheadTiles kNoAhead{1, 0};   // the widened bf16 and int8 tiles (int8 
 // A tile's MT x NP accumulators: zero on its first k-block, else the partial sums in y (row stride
 // ldy) that the tile's previous k-block stored there.
 template <int MT>
-inline void load_acc(__m512 (&acc)[MT][NP], const float* y, int64_t ldy, bool first) {
+inline void load_acc(fVec (&acc)[MT][NP * VP], const float* y, int64_t ldy, bool first) {
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NP; ++j)
-      acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + j * PANEL);
+    for (int j = 0; j < NP * VP; ++j) acc[m][j] = first ? fVec(0.f) : fVec::loadu(y + m * ldy + j * kVec);
 }
 
 template <int MT>
-inline void store_acc(const __m512 (&acc)[MT][NP], float* y, int64_t ldy) {
+inline void store_acc(const fVec (&acc)[MT][NP * VP], float* y, int64_t ldy) {
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + m * ldy + j * PANEL, acc[m][j]);
+    for (int j = 0; j < NP * VP; ++j) acc[m][j].store(y + m * ldy + j * kVec);
 }
 
 // The ahead prefetch of a tile's NP panels: each panel's line at element offset `at`.
 template <typename T>
 inline void prefetch_panels(const T* w, int64_t panel_stride, int64_t at) {
-  for (int j = 0; j < NP; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * panel_stride + at), _MM_HINT_T2);
+  for (int j = 0; j < NP; ++j) prefetch_l2(w + j * panel_stride + at);
 }
 
 // MT rows x NP panels over k in [k0, k1); accumulates into y (row stride ldy) unless first.
@@ -87,33 +96,30 @@ inline void prefetch_panels(const T* w, int64_t panel_stride, int64_t at) {
 template <typename W, int MT, bool Ahead>
 inline void micro(const float* x, int64_t ldx, const W* w, int64_t panel_stride, float* y, int64_t ldy,
                   int64_t k0, int64_t k1, bool first, NextBlock& pf) {
-  __m512 acc[MT][NP];
+  fVec acc[MT][NP * VP];
   load_acc<MT>(acc, y, ldy, first);
   for (int64_t k = k0; k < k1; ++k) {
     pf.prefetch_one();
     if constexpr (Ahead) prefetch_panels(w, panel_stride, (k + pf.ahead) * PANEL);
-    __m512 wv[NP];
-    for (int j = 0; j < NP; ++j) wv[j] = load16<W>(w + j * panel_stride + k * PANEL);
+    fVec wv[NP * VP];
+    for (int j = 0; j < NP; ++j)
+      for (int v = 0; v < VP; ++v) wv[j * VP + v] = pdserve::load<W>(w + j * panel_stride + k * PANEL + v * kVec);
     for (int m = 0; m < MT; ++m) {
-      __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
-      for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+      const fVec xv(x[m * ldx + k]);
+      for (int j = 0; j < NP * VP; ++j) acc[m][j] = at::vec::fmadd(xv, wv[j], acc[m][j]);
     }
   }
   store_acc<MT>(acc, y, ldy);
 }
 
-// f(std::integral_constant<int, MT>{}) for a row tile of mt = MT rows, 1 <= mt <= 6: the micro
+// f(std::integral_constant<int, MT>{}) for a row tile of mt = MT rows, 1 <= mt <= kRows: the micro
 // kernels take MT as a template argument, so that their accumulators live in registers.
-template <typename F>
+template <int MT = kRows, typename F>
 inline void with_tile_height(int64_t mt, F&& f) {
-  switch (mt) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
+  if constexpr (MT > 1) {
+    if (mt < MT) return with_tile_height<MT - 1>(mt, f);
   }
+  f(std::integral_constant<int, MT>{});
 }
 
 // f(std::bool_constant<on>{}): the micro kernels take the ahead prefetch as a template argument,
@@ -125,8 +131,8 @@ inline void with_ahead(bool on, F&& f) {
 
 // The blocking both products share. Row blocks of MB: decode (M <= MB) reads the weights once.
 // Threads split the output channels into groups of NP panels: each reads a disjoint, contiguous
-// part of the weights. Then k-blocks, then balanced row tiles of at most 6 (32 rows: 6,6,5,5,5,5,
-// not 6x5 + 2): a thin tile pays the same weight loads for fewer FMAs.
+// part of the weights. Then k-blocks, then balanced row tiles of at most kRows (32 rows in tiles of
+// 6: 6,6,5,5,5,5, not 6x5 + 2): a thin tile pays the same weight loads for fewer FMAs.
 // With kMinPrefetchTiles row tiles or more, the later ones prefetch the next block (NextBlock);
 // with as many as `ahead` says, every tile prefetches ahead of its own k-steps.
 // tile(mt, m, g, k0, k1, pf): rows [m, m + mt) x group g over k-steps [k0, k1). The weights start
@@ -139,12 +145,12 @@ void for_each_tile(int64_t M, int64_t ksteps, int64_t kblock, int64_t groups, co
     const int64_t m1 = std::min(M, m0 + MB);
     // Small products run on one thread: waking a second one costs more than it saves, and on a
     // busy machine a parallel region waits for a descheduled thread.
-    const int64_t grain = std::max<int64_t>(1, kMinParallelBytes / (group_bytes * (m1 - m0 + 5) / 6));
+    const int64_t grain = std::max<int64_t>(1, kMinParallelBytes / (group_bytes * (m1 - m0 + kRows - 1) / kRows));
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         for (int64_t k0 = 0; k0 < ksteps; k0 += kblock) {
           const int64_t k1 = std::min(ksteps, k0 + kblock);
-          const int64_t tiles = (m1 - m0 + 5) / 6;
+          const int64_t tiles = (m1 - m0 + kRows - 1) / kRows;
           NextBlock pf;
           const int64_t ng = k1 < ksteps ? g : g + 1, nk0 = k1 < ksteps ? k1 : 0;
           if (tiles >= kMinPrefetchTiles && ng < g1) {
@@ -165,7 +171,7 @@ void for_each_tile(int64_t M, int64_t ksteps, int64_t kblock, int64_t groups, co
   }
 }
 
-// Where a tile's 64 outputs go: tile(m, g) and its row stride ld(), then done(m, mt, g) once the
+// Where a tile's NP x 16 outputs go: tile(m, g) and its row stride ld(), then done(m, mt, g) once the
 // last k-block is in. DenseOut: the (M, Npad) result. The argmax policies (argmax_cpu.cpp) use a
 // scratch block of the running thread and fold it into per-row results in done, so the (M, N)
 // logits are never written nor read back.
@@ -192,14 +198,19 @@ void linear_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t Npad,
                 });
 }
 
-// bf16 x bf16 -> fp32 dot products (AVX512-BF16): twice the multiply-adds per instruction of
-// fp32 FMAs, for the compute-bound products of a bf16 model (prefill, large decode batches).
-// Weights are packed in k-pairs: panel p holds P[p][k/2][16 channels][2], activations are bf16.
+// bf16 x bf16 -> fp32 dot products (AVX512-BF16's vdpbf16ps, which the vector layer lacks): twice
+// the multiply-adds per instruction of fp32 FMAs, for the compute-bound products of a bf16 model
+// (prefill, large decode batches). Weights are packed in k-pairs: panel p holds
+// P[p][k/2][16 channels][2], activations are bf16. Without the instruction a bf16 model's weights
+// are packed as plain bf16 panels instead and widened by micro (pdserve.kernels.cpu_supports_bf16_dot).
 // Ahead: prefetch pf.ahead k-pair steps on (a template argument: without it the loop is as before).
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+
 template <int MT, bool Ahead>
 inline void micro_dp(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, float* y, int64_t ldy,
                      int64_t kp0, int64_t kp1, bool first, NextBlock& pf) {
-  __m512 acc[MT][NP];
+  fVec acc[MT][NP];
   load_acc<MT>(acc, y, ldy, first);
   for (int64_t kp = kp0; kp < kp1; ++kp) {
     pf.prefetch_one();
@@ -230,5 +241,8 @@ void linear_dp_impl(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, 
                   if (k1 == K / 2) out.done(m, mt, g);
                 });
 }
+#else
+constexpr bool kBf16Dot = false;
+#endif
 
 }  // namespace pdserve::tiles

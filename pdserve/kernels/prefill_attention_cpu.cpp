@@ -4,13 +4,13 @@
 // Why: torch's scaled_dot_product_attention does 25-31 GFLOP/s on this CPU, masked or causal,
 // and needs the prefix gathered into a padded copy plus a (Q x K) mask; it was a third of a
 // 2048-token prefill (docs/BENCHMARKS.md). This is a flash-attention loop on the CPU: a tile of
-// query rows walks the keys 16 at a time with an online softmax, skipping every key tile that is
+// query rows walks the keys a vector at a time with an online softmax, skipping every key tile that is
 // entirely in the future (half the work of a square mask) or outside the sliding window.
 //
 // Work item: (sequence, kv head, tile of query positions). The G query heads sharing a KV head are
-// rows of the same tile, so each key block is transposed once for G x QT rows. Per block of NT x 16
-// keys:
-//   S = Q K^T: keys transposed to NT tiles of (D, 16), so a row's 16 scores per tile are one zmm
+// rows of the same tile, so each key block is transposed once for G x QT rows. Per block of NT x KT
+// keys (KT: one vector of fp32 lanes):
+//   S = Q K^T: keys transposed to NT tiles of (D, KT), so a row's KT scores per tile are one vector
 //              built by D FMAs with the query element broadcast (no horizontal sums);
 //   softmax:   running max m and sum l per row, P = exp(S - m), O rescaled when m grows;
 //   O += P V:  R rows x D accumulators in registers, one value row loaded per key.
@@ -18,9 +18,8 @@
 // stored) is per block: with blocks of 64 keys instead of 16 it is a quarter as much per key.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <omp.h>
-#include "vec512.h"
+#include "vec.h"
 #include <algorithm>
 #include <cmath>
 #include <tuple>
@@ -28,10 +27,11 @@
 
 namespace {
 
-using pdserve::exp512;
-using pdserve::load16;
+using pdserve::fVec;
+using pdserve::kVec;
 
-constexpr int KT = 16;                          // keys per tile: one zmm of scores
+constexpr int KT = kVec;                        // keys per tile: one vector of scores
+constexpr int VP = 16 / kVec;                   // vectors per 16 elements
 constexpr int kKtBytes = 16 << 10;              // a block's transposed keys stay in L1: NT <= this / (D x 16 x 4)
 constexpr int64_t kTargetRows = 256;            // query rows (positions x heads) per work item: 64 and 128 measured 5-7% slower
 constexpr double kMinParallelFlops = 4e6;       // less than this: one thread (see packed_tiles.h)
@@ -49,13 +49,13 @@ inline void with_tiles(int n, F&& f) {
   f(std::integral_constant<int, NT>{});
 }
 
-// C = D / 16 vectors per row; R rows per register tile (R x C accumulators fit in 32 zmm); NT tiles
-// of 16 keys per block (R x NT score accumulators, at most 16)
+// C = D / 16; R rows per register tile (R x D / KT accumulators fit in the vector registers); NT
+// tiles of KT keys per block (R x NT score accumulators, at most 16)
 template <typename T, int C, int R, int NT>
 void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* q_starts,
                   const int64_t* q_lens, const int64_t* ctx, float* out, int64_t B, int64_t H, int64_t Hkv,
                   int64_t nb, int64_t bs, float scale, int64_t window) {
-  constexpr int D = 16 * C, KB = NT * KT;   // KB: keys per block
+  constexpr int D = 16 * C, CV = C * VP, KB = NT * KT;   // CV: vectors per row; KB: keys per block
   static_assert(R * NT <= 16 && D * KB * 4 <= kKtBytes, "block too big");
   const int64_t G = H / Hkv, row = Hkv * D;   // row: elements per cache slot
   const int64_t qt = std::max<int64_t>(1, kTargetRows / G);   // query positions per work item
@@ -77,7 +77,7 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
   {
     std::vector<float> Q(max_rows * D), O(max_rows * D), m(max_rows), l(max_rows), P(max_rows * KB);
     std::vector<int64_t> pos(max_rows);
-    alignas(64) float Kt[NT * D * KT];   // tile t: Kt + t * D * KT, (D, 16)
+    alignas(64) float Kt[NT * D * KT];   // tile t: Kt + t * D * KT, (D, KT)
     const T* vrow[KB];
 #pragma omp for schedule(dynamic, 1)
     for (size_t w = 0; w < work.size(); ++w) {
@@ -91,12 +91,10 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
         pos[r] = first_pos + std::min(qi, it.q1 - 1);
         m[r] = -INFINITY;
         l[r] = 0.f;
-        for (int c = 0; c < C; ++c) {
-          const __m512 v = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(q + ((q_starts[it.b] + qi) * H + h) * D + 16 * c),
-                                                    _mm512_set1_ps(scale))
-                                    : _mm512_setzero_ps();
-          _mm512_storeu_ps(Q.data() + r * D + 16 * c, v);
-          _mm512_storeu_ps(O.data() + r * D + 16 * c, _mm512_setzero_ps());
+        for (int c = 0; c < CV; ++c) {
+          const fVec v = r < rows ? fVec::loadu(q + ((q_starts[it.b] + qi) * H + h) * D + kVec * c) * fVec(scale) : fVec(0.f);
+          v.store(Q.data() + r * D + kVec * c);
+          fVec(0.f).store(O.data() + r * D + kVec * c);
         }
       }
       const int64_t last = first_pos + it.q1 - 1;                  // the tile's last query position
@@ -118,17 +116,17 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
         }
         for (int64_t r0 = 0; r0 < padded; r0 += R) {
           // S for R rows x the block's first nt tiles (the rest hold no key: masked out below)
-          __m512 s[R][NT];
+          fVec s[R][NT];
           for (int i = 0; i < R; ++i)
-            for (int t = 0; t < NT; ++t) s[i][t] = _mm512_setzero_ps();
+            for (int t = 0; t < NT; ++t) s[i][t] = fVec(0.f);
           const float* qr = Q.data() + r0 * D;
           with_tiles<NT>(nt, [&](auto NTU) {
             for (int d = 0; d < D; ++d) {
-              __m512 kv[NTU];
-              for (int t = 0; t < NTU; ++t) kv[t] = _mm512_load_ps(Kt + t * D * KT + d * KT);
+              fVec kv[NTU];
+              for (int t = 0; t < NTU; ++t) kv[t] = fVec::loadu(Kt + t * D * KT + d * KT);
               for (int i = 0; i < R; ++i) {
-                const __m512 qv = _mm512_set1_ps(qr[i * D + d]);
-                for (int t = 0; t < NTU; ++t) s[i][t] = _mm512_fmadd_ps(qv, kv[t], s[i][t]);
+                const fVec qv(qr[i * D + d]);
+                for (int t = 0; t < NTU; ++t) s[i][t] = at::vec::fmadd(qv, kv[t], s[i][t]);
               }
             }
           });
@@ -140,56 +138,54 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
             const int64_t from = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1 - k0) : 0;
             alpha[i] = 1.f;
             if (r >= rows || hi <= from) {   // padding, or no visible key in this block
-              for (int t = 0; t < NT; ++t) _mm512_storeu_ps(P.data() + i * KB + t * KT, _mm512_setzero_ps());
+              for (int t = 0; t < NT; ++t) fVec(0.f).store(P.data() + i * KB + t * KT);
               continue;
             }
-            __m512 si[NT];
-            __mmask16 mask[NT];
-            __m512 mx = _mm512_set1_ps(-INFINITY);
+            fVec si[NT], mask[NT], mx(-INFINITY);
+            const fVec vfrom(static_cast<float>(from)), vhi(static_cast<float>(hi));
             for (int t = 0; t < NT; ++t) {
-              const int64_t a = std::clamp<int64_t>(from - t * KT, 0, KT), e = std::clamp<int64_t>(hi - t * KT, 0, KT);
-              mask[t] = static_cast<__mmask16>(((1u << e) - 1) & ~((1u << a) - 1));
-              si[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[t], s[i][t]);
-              mx = _mm512_max_ps(mx, si[t]);
+              const fVec j = fVec::arange(static_cast<float>(t * KT), 1.f);   // the lanes' keys in the block
+              mask[t] = (j >= vfrom) & (j < vhi);
+              si[t] = fVec::blendv(fVec(-INFINITY), s[i][t], mask[t]);
+              mx = pdserve::maxps(mx, si[t]);
             }
-            const float mnew = std::max(m[r], _mm512_reduce_max_ps(mx));
-            const __m512 mv = _mm512_set1_ps(mnew);
-            __m512 sum = _mm512_setzero_ps();
+            const float mnew = std::max(m[r], pdserve::reduce_max(mx));
+            const fVec mv(mnew);
+            fVec sum(0.f);
             for (int t = 0; t < NT; ++t) {
-              const __m512 p = _mm512_maskz_mov_ps(mask[t], exp512(_mm512_sub_ps(si[t], mv)));
-              sum = _mm512_add_ps(sum, p);
-              _mm512_storeu_ps(P.data() + i * KB + t * KT, p);
+              const fVec p = fVec::blendv(fVec(0.f), pdserve::exp(si[t] - mv), mask[t]);
+              sum = sum + p;
+              p.store(P.data() + i * KB + t * KT);
             }
             alpha[i] = std::exp(m[r] - mnew);   // 0 on the first visible block (m = -inf)
-            l[r] = l[r] * alpha[i] + _mm512_reduce_add_ps(sum);
+            l[r] = l[r] * alpha[i] + pdserve::reduce_add(sum);
             m[r] = mnew;
             any = true;
           }
           if (!any) continue;
           // O = alpha * O + P V for R rows, accumulated in registers
-          __m512 acc[R][C];
+          fVec acc[R][CV];
           float* orow = O.data() + r0 * D;
           for (int i = 0; i < R; ++i)
-            for (int c = 0; c < C; ++c)
-              acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(orow + i * D + 16 * c), _mm512_set1_ps(alpha[i]));
+            for (int c = 0; c < CV; ++c) acc[i][c] = fVec::loadu(orow + i * D + kVec * c) * fVec(alpha[i]);
           for (int j = 0; j < nk; ++j) {
-            __m512 vv[C];
-            for (int c = 0; c < C; ++c) vv[c] = load16<T>(vrow[j] + 16 * c);
+            fVec vv[CV];
+            for (int c = 0; c < CV; ++c) vv[c] = pdserve::load<T>(vrow[j] + kVec * c);
             for (int i = 0; i < R; ++i) {
-              const __m512 pw = _mm512_set1_ps(P[i * KB + j]);
-              for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pw, vv[c], acc[i][c]);
+              const fVec pw(P[i * KB + j]);
+              for (int c = 0; c < CV; ++c) acc[i][c] = at::vec::fmadd(pw, vv[c], acc[i][c]);
             }
           }
           for (int i = 0; i < R; ++i)
-            for (int c = 0; c < C; ++c) _mm512_storeu_ps(orow + i * D + 16 * c, acc[i][c]);
+            for (int c = 0; c < CV; ++c) acc[i][c].store(orow + i * D + kVec * c);
         }
       }
       // out = O / l (every real row saw at least its own key)
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t qi = it.q0 + r / G, h = it.kvh * G + r % G;
-        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        const fVec inv(1.f / l[r]);
         float* o = out + ((q_starts[it.b] + qi) * H + h) * D;
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + 16 * c), inv));
+        for (int c = 0; c < CV; ++c) (fVec::loadu(O.data() + r * D + kVec * c) * inv).store(o + kVec * c);
       }
     }
   }
@@ -204,12 +200,22 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
                               q_starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
                               out.data_ptr<float>(), B, H, Hkv, nb, bs, scale, window);
   switch (D / 16) {
+#if defined(CPU_CAPABILITY_AVX512)
     // NT: as many 16-key tiles as fit R x NT <= 16 scores and 16 KB of transposed keys, at most 4
     case 1: std::apply(prefill_impl<T, 1, 8, 2>, args); break;
     case 2: std::apply(prefill_impl<T, 2, 8, 2>, args); break;
     case 4: std::apply(prefill_impl<T, 4, 4, 4>, args); break;
     case 6: std::apply(prefill_impl<T, 6, 2, 2>, args); break;
     case 8: std::apply(prefill_impl<T, 8, 2, 2>, args); break;
+#else
+    // 16 registers of 8 lanes: R x D / 8 accumulators of O and R x NT of scores at most 12-16,
+    // KB = 8 NT keys x D within 16 KB
+    case 1: std::apply(prefill_impl<T, 1, 4, 2>, args); break;
+    case 2: std::apply(prefill_impl<T, 2, 2, 4>, args); break;
+    case 4: std::apply(prefill_impl<T, 4, 1, 8>, args); break;
+    case 6: std::apply(prefill_impl<T, 6, 1, 4>, args); break;
+    case 8: std::apply(prefill_impl<T, 8, 1, 4>, args); break;
+#endif
     default: TORCH_CHECK(false, "prefill attention kernel: head_dim must be 16, 32, 64, 96 or 128");
   }
 }

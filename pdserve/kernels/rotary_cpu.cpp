@@ -4,31 +4,32 @@
 // sums), each a pass over q or k; here it is one pass, on the views of the merged qkv product.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include "vec512.h"
+#include "vec.h"
 
 namespace {
 
-using pdserve::lanes;
+using pdserve::fVec;
+using pdserve::kVec;
 
-constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kRound); }
-inline __m512 add(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, kRound); }
-inline __m512 sub(__m512 a, __m512 b) { return _mm512_sub_round_ps(a, b, kRound); }
+// a * b, rounded: fenced so that the compiler does not contract it with the sum after it into a
+// fused multiply-add (torch's ops round products and sums separately)
+inline fVec mul(const fVec& a, const fVec& b) {
+  fVec p = a * b;
+  pdserve::fence(p);
+  return p;
+}
 
 // heads rows of D at x, x + D, ...; cos and sin: D each
 inline void rotate_heads(float* x, int64_t heads, int64_t D, const float* cos, const float* sin) {
   const int64_t h = D / 2;
   for (int64_t j = 0; j < heads; ++j, x += D) {
-    for (int64_t i = 0; i < h; i += 16) {
-      const __mmask16 m = lanes(h - i);
-      const __m512 x1 = _mm512_maskz_loadu_ps(m, x + i), x2 = _mm512_maskz_loadu_ps(m, x + h + i);
-      // products and sums rounded separately, as torch's ops round them: the explicit-rounding forms
-      // keep the compiler from contracting them into fused multiply-adds
-      const __m512 a = sub(mul(x1, _mm512_maskz_loadu_ps(m, cos + i)), mul(x2, _mm512_maskz_loadu_ps(m, sin + i)));
-      const __m512 b = add(mul(x2, _mm512_maskz_loadu_ps(m, cos + h + i)), mul(x1, _mm512_maskz_loadu_ps(m, sin + h + i)));
-      _mm512_mask_storeu_ps(x + i, m, a);
-      _mm512_mask_storeu_ps(x + h + i, m, b);
+    for (int64_t i = 0; i < h; i += kVec) {
+      const int64_t c = std::min<int64_t>(kVec, h - i);
+      const fVec x1 = fVec::loadu(x + i, c), x2 = fVec::loadu(x + h + i, c);
+      const fVec a = mul(x1, fVec::loadu(cos + i, c)) - mul(x2, fVec::loadu(sin + i, c));
+      const fVec b = mul(x2, fVec::loadu(cos + h + i, c)) + mul(x1, fVec::loadu(sin + h + i, c));
+      a.store(x + i, c);
+      b.store(x + h + i, c);
     }
   }
 }

@@ -1,4 +1,5 @@
 """benchmarks/quant_accuracy.py's metrics, on made-up distributions, and one real run on a tiny model."""
+import pytest
 import torch
 
 from benchmarks import quant_accuracy
@@ -20,6 +21,7 @@ def test_swapped_top_tokens_are_counted():
     assert r["top1_agreement"] == 0.5 and r["ref_top1_in_top5"] == 1.0 and r["mean_kl"] > 0
 
 
+@pytest.mark.usefixtures("cpu_isa")   # int8 runs on the kernels
 def test_runs_on_a_tiny_model(tiny_llama, tmp_path):
     out = tmp_path / "acc.json"
     assert quant_accuracy.main(["--model", tiny_llama, "--prompts", "2", "--prompt-len", "16", "--rounds", "1",

@@ -3,10 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ops, cpu_supports_avx512
+from pdserve.kernels import cpu_ops
 from pdserve.layers.activation import SiluAndMul
 
-pytestmark = pytest.mark.skipif(not cpu_supports_avx512(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 
 @pytest.mark.parametrize("shape", [(1, 2 * 704), (7, 2 * 33), (300, 2 * 4864), (2, 3, 2 * 16)])

@@ -5,10 +5,10 @@ bf16 torch ops): there it must be at least as close to fp32 as the modules are."
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import cpu_supports_avx512
+
 from tests.engine.helpers import corpus_prompts
 
-pytestmark = pytest.mark.skipif(not cpu_supports_avx512(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 VARIANTS = {
     "llama": ("llama", {}, {}),

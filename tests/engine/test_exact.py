@@ -32,7 +32,7 @@ def model_path(request, make_tiny):
 
 
 @pytest.fixture(scope="module")
-def llm(model_path):
+def llm(model_path, isa_or_torch):   # once per kernel build this CPU runs
     # small budget: the longer prompts are prefilled in chunks while the short ones decode
     return LLM(model_path, max_num_batched_tokens=64, max_num_seqs=16)
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import cpu_supports_avx512, cpu_supports_bf16_dot
+from pdserve.kernels import cpu_supports_bf16_dot
 from pdserve.layers.packed_linear import PackedLinear
 from tests.engine.helpers import corpus_prompts
 
-pytestmark = pytest.mark.skipif(not cpu_supports_avx512(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 FORMATS = ["fp32", "bf16", "int8"]   # bf16 is k-pairs (bf16x2) where the CPU has AVX512-BF16 and K is even
 
@@ -91,7 +91,7 @@ def test_nan_counts_as_the_maximum(fmt):
     assert got.tolist() == [500 if x[0, 0] != 0 else 100, 0, 100, 500]
 
 
-@pytest.mark.skipif(not cpu_supports_bf16_dot(), reason="no AVX512-BF16")
+@pytest.mark.usefixtures("bf16_dot")
 def test_pairs_round_x_to_bf16_as_the_layer_does():
     packed = _packed(3000, 200, "bf16")
     assert packed.fmt == "bf16x2"

@@ -91,6 +91,7 @@ def test_arena_places_tensors_aligned_in_huge_page_chunks():
     assert (a == 3).all()   # c's writes went to the big chunk, not over a
 
 
+@pytest.mark.usefixtures("cpu_isa")   # packed weights come with the kernels
 def test_small_packed_weights_are_on_huge_pages(tiny_llama):
     # Each of this model's packed weights is smaller than a huge page: allocated alone, none would
     # be marked. pack_model puts them in one arena.

@@ -1,4 +1,5 @@
-"""The kernel build: named after its inputs, and never waiting on a lock a killed build left."""
+"""The kernel build: one per instruction set, named after its inputs, never waiting on a lock a
+killed build left (test_kernel_first_use.py: processes building at once, no compiler)."""
 import os
 import shutil
 import subprocess
@@ -8,12 +9,37 @@ import pytest
 
 from pdserve import kernels
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_supports_avx512(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 
-def test_builds_here():
-    # This machine has AVX-512 and a compiler: a failed build is a failure, not a silent fallback.
-    assert kernels.cpu_ops() is not None
+def test_builds_here(cpu_isa):
+    # A compiler and a CPU that runs this build: a failed build is a failure, not a silent fallback.
+    ops = kernels.cpu_ops()
+    assert ops is not None and ops.isa == cpu_isa == kernels.selected_isa()
+    assert kernels.kernel_path().startswith(f"kernels {cpu_isa} (")
+
+
+def test_each_instruction_set_has_its_own_build():
+    names = {kernels.build_name(isa) for isa in kernels.ISAS}
+    assert len(names) == len(kernels.ISAS) and all(f"_{isa}_" in kernels.build_name(isa) for isa in kernels.ISAS)
+
+
+def test_forced_avx2_is_honoured(monkeypatch):
+    monkeypatch.setattr(kernels, "_forced", None)   # the environment decides; the fixture's choice comes back after
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")
+    assert kernels.selected_isa() == "avx2" and not kernels.cpu_supports_avx512() and not kernels.cpu_supports_bf16_dot()
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "auto")
+    assert kernels.selected_isa() == kernels.supported_isas()[0]
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "sse9")   # a typo: said once, then the best this CPU runs
+    assert kernels.selected_isa() == kernels.supported_isas()[0]
+
+
+def test_build_kernels_command_builds_ahead_of_use(cpu_isa):
+    kernels.cpu_ops()   # built (or found) here first: the command then only finds it
+    r = subprocess.run([sys.executable, "-m", "pdserve", "build-kernels", "--isa", cpu_isa], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [f"{cpu_isa}:", kernels.cpu_ops().__file__]
 
 
 def test_stale_lock_from_a_killed_build_is_removed():
@@ -23,7 +49,8 @@ def test_stale_lock_from_a_killed_build_is_removed():
     try:
         # torch's loader alone would wait on this file forever
         r = subprocess.run([sys.executable, "-c", "from pdserve.kernels import load_cpu_ops; load_cpu_ops()"],
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PDSERVE_CPU_ISA": kernels.selected_isa()})
         assert r.returncode == 0, r.stderr
         assert "stale build lock" in r.stderr
         assert not os.path.exists(lock)
@@ -66,7 +93,9 @@ def test_a_checkout_elsewhere_with_the_same_kernels_reuses_the_build(tmp_path):
     code = ("import pdserve.kernels as k; assert k.__file__.startswith(%r), k.__file__; "
             "print(k.build_name()); assert k.load_cpu_ops().packed_linear" % str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+                       env={**os.environ, "PYTHONPATH": str(tmp_path), "PDSERVE_CPU_ISA": kernels.selected_isa()},
+                       cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == kernels.build_name()
     assert os.stat(built).st_mtime_ns == before   # not compiled again
+

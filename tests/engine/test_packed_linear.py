@@ -6,14 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import cpu_ops, cpu_supports_avx512, cpu_supports_bf16_dot
+from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.packed_linear import PackedLinear, TiedPackedEmbedding
 from pdserve.layers.rotary import RotaryEmbedding
 from tests.engine.helpers import corpus_prompts, tokens_before_divergence
 
-pytestmark = pytest.mark.skipif(not cpu_supports_avx512(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 
 def _linear(n_out, n_in, bias):
@@ -79,7 +79,7 @@ def test_bf16_weights_are_the_bf16_rounding(n_in):
     torch.testing.assert_close(packed(x), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_supports_bf16_dot(), reason="no AVX512-BF16")
+@pytest.mark.usefixtures("bf16_dot")
 @pytest.mark.parametrize("rows", [1, 6, 7, 13, 200])
 def test_bf16_pairs_for_every_row_count(rows):
     lin = _linear(1000, 260, bias=False)

@@ -4,10 +4,10 @@ grouped-query heads, sliding windows, every head size it has, bf16 cache, decode
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops, cpu_supports_avx512
+from pdserve.kernels import cpu_ops
 from tests.engine.helpers import attention_torch_and_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_supports_avx512(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 
 @pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (14, 2, 64), (8, 8, 32), (4, 1, 96), (2, 2, 128)])

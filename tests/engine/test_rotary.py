@@ -3,10 +3,10 @@ it on: test_packed_linear.py)."""
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops, cpu_supports_avx512
+from pdserve.kernels import cpu_ops
 from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 
-pytestmark = pytest.mark.skipif(not cpu_supports_avx512(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 
 @pytest.mark.parametrize("T,H,Hkv,D", [(1, 14, 2, 64), (37, 8, 4, 32), (5, 4, 4, 128), (3, 2, 1, 20), (300, 16, 8, 16)])

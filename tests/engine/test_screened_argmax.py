@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import cpu_ops, cpu_supports_avx512, cpu_supports_bf16_dot
+from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
 from pdserve.layers.packed_linear import PackedLinear
 from tests.engine.helpers import corpus_prompts
 
-pytestmark = pytest.mark.skipif(not (cpu_supports_avx512() and cpu_supports_bf16_dot()),
-                                reason="the screen needs AVX-512 and AVX512-BF16")
+pytestmark = pytest.mark.usefixtures("cpu_isa", "bf16_dot")
 
 
 def _linear(w, bias=None):

@@ -5,9 +5,9 @@ outside the cache."""
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops, cpu_supports_avx512
+from pdserve.kernels import cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_supports_avx512(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 
 def kv_rows(T: int, Hkv: int, D: int, seed: int) -> torch.Tensor:

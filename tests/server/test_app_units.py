@@ -77,10 +77,10 @@ def test_serve_help_explains_every_flag():
 
 def test_kernel_pool_bytes_exported_at_each_scrape():
     from prometheus_client.parser import text_string_to_metric_families
-    from pdserve.kernels import cpu_ops, cpu_supports_avx512
+    from pdserve.kernels import cpu_ops, pool_cached_bytes
     from pdserve.server.metrics import ServerMetrics
-    if not cpu_supports_avx512():
-        pytest.skip("the CPU kernels need AVX-512")
+    if cpu_ops() is None:
+        pytest.skip("this CPU runs none of the kernels' builds")
 
     def scraped(metrics) -> float:
         families = text_string_to_metric_families(metrics.render().decode())
@@ -88,7 +88,7 @@ def test_kernel_pool_bytes_exported_at_each_scrape():
 
     metrics, ops = ServerMetrics(), cpu_ops()
     y = ops.silu_and_mul(torch.randn(600, 2 * 4096))   # a 9.4 MiB output: its buffer goes to the pool when freed
-    assert scraped(metrics) == ops.pool_cached_bytes()
+    assert scraped(metrics) == pool_cached_bytes()   # every loaded build's pool
     size = y.numel() * 4
     del y
-    assert scraped(metrics) == ops.pool_cached_bytes() >= size
+    assert scraped(metrics) == pool_cached_bytes() >= ops.pool_cached_bytes() >= size
