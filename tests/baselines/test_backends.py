@@ -5,7 +5,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.baselines import BACKENDS, NoCacheBackend, StaticBackend
 from pdserve.errors import RequestError
-from tests.engine.helpers import corpus_prompts
+from tests.helpers import corpus_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 

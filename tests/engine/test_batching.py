@@ -5,7 +5,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from tests.engine.helpers import corpus_prompts
+from tests.helpers import corpus_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

@@ -1,7 +1,7 @@
 """bfloat16 runs end to end; where it diverges from fp32 it is a near-tie (vLLM's rule: at the
 first differing token, each side's token is among the other's top-5 logprobs)."""
 from pdserve import LLM, SamplingParams
-from tests.engine.helpers import corpus_prompts, tokens_before_divergence
+from tests.helpers import corpus_prompts, tokens_before_divergence
 
 
 def test_bfloat16_close_to_float32(tiny_llama):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.engine.helpers import PROMPT_LENS, chunked_logits, corpus_prompts, hf_greedy, hf_logits
+from tests.helpers import PROMPT_LENS, chunked_logits, corpus_prompts, hf_greedy, hf_logits
 
 # arch, config overrides: the four families plus OPT-350m style (post-LN, project_in/out) and
 # Llama 3.1 style (llama3 RoPE scaling, tied embeddings).

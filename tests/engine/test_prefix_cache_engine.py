@@ -5,7 +5,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.engine import block_manager as bm_module
 from pdserve.engine.llm_engine import LLMEngine
-from tests.engine.helpers import corpus_prompts
+from tests.helpers import corpus_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 

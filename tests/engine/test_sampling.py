@@ -8,7 +8,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import RequestError
 from pdserve.engine.sampler import Sampler
-from tests.engine.helpers import corpus_prompts, hf_logits
+from tests.helpers import corpus_prompts, hf_logits
 
 EOS = 9
 

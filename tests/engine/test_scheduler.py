@@ -267,7 +267,7 @@ def test_engine_with_a_small_prefill_cap_generates_what_each_request_does_alone(
     """End to end: the cap changes how prompts are chunked, never what is generated."""
     from pdserve import LLM, SamplingParams
     from pdserve.engine.llm_engine import LLMEngine
-    from tests.engine.helpers import corpus_prompts
+    from tests.helpers import corpus_prompts
 
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     ref = LLM(tiny_llama, max_prefill_tokens_with_decodes=0)

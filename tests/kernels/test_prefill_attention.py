@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pdserve.kernels import cpu_ops
-from tests.engine.helpers import attention_torch_and_kernels
+from tests.helpers import attention_torch_and_kernels
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
 

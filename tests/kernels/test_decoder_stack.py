@@ -6,7 +6,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 
-from tests.engine.helpers import corpus_prompts
+from tests.helpers import corpus_prompts
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
 

@@ -8,7 +8,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
 from pdserve.layers.packed_linear import PackedLinear
-from tests.engine.helpers import corpus_prompts
+from tests.helpers import corpus_prompts
 
 pytestmark = pytest.mark.usefixtures("cpu_isa", "bf16_dot")
 

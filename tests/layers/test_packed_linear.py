@@ -11,7 +11,7 @@ from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.packed_linear import PackedLinear, TiedPackedEmbedding
 from pdserve.layers.rotary import RotaryEmbedding
-from tests.engine.helpers import corpus_prompts, tokens_before_divergence
+from tests.helpers import corpus_prompts, tokens_before_divergence
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
 
