@@ -1,6 +1,6 @@
 """Constrained decoding's cost per decode step, side by side with unconstrained steps.
 
-    python -m pdserve.bench.structured_overhead MODEL_DIR [--batch 1 32] [--steps 24]
+    python -m benchmarks.structured_overhead MODEL_DIR [--batch 1 32] [--steps 24]
 
 For each batch size: B greedy requests without a constraint (the fused-argmax path when the
 model has it), B sampled ones (temperature 1: the logits path), and B greedy ones constrained by
