@@ -45,6 +45,10 @@ def engine_config(s: ServerState) -> dict:
             "max_model_len": s.max_model_len, **limits, "ring_size": s.step_events.ring_size}
 
 
+# Streams that end only when the client leaves: a schema fuzzer must not call them (it would wait forever).
+ENDLESS_STREAMS = ("/v1/engine/steps",)
+
+
 @router.get("/v1/engine/steps", response_class=StreamingResponse, responses={200: {
     "description": "an endless stream: `config`, then one `step` event per engine step",
     "content": {"text/event-stream": {}}}})
