@@ -97,7 +97,7 @@ def test_playground_streams_the_live_view_draws_and_stop_ends_the_request(page, 
     page.wait_for_selector(".msg.completion[data-state=done]", timeout=60_000)
     assert page.text_content(".completion-text .prompt") == "Once upon a time"
     assert page.text_content(".completion-text .gen").strip()
-    assert re.fullmatch(r"TTFT [\d.]+ m?s · TPOT [\d.]+ m?s · 12 tokens · prompt \d+ · length",
+    assert re.fullmatch(r"TTFT [\d.]+ m?s · TPOT [\d.]+ m?s · 12 tokens · prompt \d+ \(\d+ cached\) · length",
                         page.text_content(".msg.completion .answer-stats")), page.text_content(".answer-stats")
 
     # chat: tokens arrive while the answer streams; the timeline draws the steps; stop ends it
