@@ -17,6 +17,17 @@ COMMANDS = {
 }
 # Errors a user can act on: printed as one line, exit status 2. OSError: a file that is not there.
 USER_ERRORS = (CheckpointError, ConfigError, RequestError, OSError)
+# What a command needs beyond `pip install pdserve`: the extra (pyproject.toml) that brings the module.
+EXTRAS = {"httpx": "bench", "matplotlib": "bench", "transformers": "baselines"}
+
+
+def missing_extra(e: ModuleNotFoundError, command: str) -> str | None:
+    """One line naming the extra to install, for a module that an extra brings (None otherwise)."""
+    extra = EXTRAS.get((e.name or "").split(".")[0])
+    if extra is None:
+        return None
+    return (f"pdserve {command}: error: this needs {e.name}, which `pip install 'pdserve[{extra}]'` "
+            f"(or `pip install -e '.[{extra}]'` in a checkout) installs")
 
 
 class Parser(argparse.ArgumentParser):
@@ -38,11 +49,22 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
-            importlib.import_module(module).add_arguments(p)
+            try:
+                importlib.import_module(module).add_arguments(p)
+            except ModuleNotFoundError as e:
+                if (line := missing_extra(e, name)) is None:
+                    raise
+                print(line, file=sys.stderr)
+                return 2
             p.set_defaults(_module=module)
     args = parser.parse_args(argv)
     try:
         return importlib.import_module(args._module).run(args) or 0
+    except ModuleNotFoundError as e:
+        if (line := missing_extra(e, args.command)) is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
     except USER_ERRORS as e:
         message = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename and e.strerror else e
         print(f"pdserve {args.command}: error: {message}", file=sys.stderr)

@@ -89,3 +89,16 @@ def test_model_as_positional_argument_and_the_startup_log(start_server, tiny_lla
 def test_generate_prints_colour_only_on_a_terminal(tiny_llama):
     out = pdserve("generate", "Hello", "--model", tiny_llama, "--max-tokens", "3")
     assert out.returncode == 0 and out.stdout.startswith("Hello") and "\033[" not in out.stdout
+
+
+def test_a_command_whose_extra_is_missing_says_which_to_install(monkeypatch, capsys):
+    """`pip install pdserve` has no httpx or transformers: bench and the hf backend name their extra."""
+    import sys
+
+    from pdserve.cli import main as cli_main
+    for name in [m for m in sys.modules if m == "httpx" or m.startswith(("httpx.", "pdserve.bench"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "httpx", None)   # importing it now raises ModuleNotFoundError
+    assert cli_main(["bench", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pdserve[bench]" in err and "httpx" in err
