@@ -117,3 +117,14 @@ def attention_torch_and_kernels(H, Hkv, D, block_size, window, dtype, q_lens, ct
         with attention_context(meta):
             return layer(q, k, v)
     return run(True), run(False)
+
+
+def finish_all(engine) -> dict:
+    """Step the engine until idle; every request's final output, checking each finishes exactly once."""
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finals
+                finals[out.request_id] = out
+    return finals

@@ -4,6 +4,7 @@ import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
+from tests.helpers import finish_all
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -19,17 +20,6 @@ def engine(tiny_llama):
     for rid in "abcd":
         e.add_request(rid, [5, 6, 7, 8, 9], PARAMS)
     return e
-
-
-def run(engine) -> dict:
-    """Step until idle; every request's final output, checking each finishes exactly once."""
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in finals
-                finals[out.request_id] = out
-    return finals
 
 
 def assert_a_b_failed_c_d_served(engine, finals):
@@ -48,7 +38,7 @@ def test_fault_hook_fails_the_step_it_raises_in(engine):
         if len(steps) == 3:   # a decode step of a and b
             raise RuntimeError("injected")
     engine.fault_hook = hook
-    finals = run(engine)
+    finals = finish_all(engine)
     assert steps[2] == ["a", "b"]
     assert [len(finals[r].token_ids) for r in "ab"] == [2, 2]   # the tokens of the two steps before
     assert_a_b_failed_c_d_served(engine, finals)
@@ -63,7 +53,7 @@ def test_a_failure_in_output_processing(engine):
             raise ValueError("detokenizer broke")
         return real(seq, *args)
     engine.processor.append_token = append_token
-    finals = run(engine)
+    finals = finish_all(engine)
     # one request's failure in output processing is its own: a, in the same step, goes on
     assert {rid: o.finish_reason for rid, o in finals.items()} == {"a": "length", "b": "error",
                                                                   "c": "length", "d": "length"}
@@ -81,7 +71,7 @@ def test_a_failure_in_the_scheduler_fails_the_running(engine):
             raise KeyError("scheduler bug")
         return out
     engine.scheduler.schedule = schedule
-    assert_a_b_failed_c_d_served(engine, run(engine))
+    assert_a_b_failed_c_d_served(engine, finish_all(engine))
 
 
 def test_a_base_exception_escapes_the_step(engine):

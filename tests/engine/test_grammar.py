@@ -10,6 +10,7 @@ from pdserve.engine.grammar import GrammarSpec
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
+from tests.helpers import finish_all
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -27,11 +28,7 @@ JSON = GrammarSpec("json", json.dumps(SCHEMA))
 def run(engine, requests) -> dict:
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+    finals = finish_all(engine)
     engine.block_manager.check_all_free()
     return finals
 

@@ -9,6 +9,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import RequestError
 from pdserve.engine.sampler import Sampler
 from pdserve.sampling_params import SamplingParams
+from tests.helpers import finish_all
 
 POISON = "poison"
 
@@ -24,12 +25,7 @@ def innocent_params(i: int) -> SamplingParams:
 def run(engine, requests) -> dict:
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in finals
-                finals[out.request_id] = out
+    finals = finish_all(engine)
     assert not engine.seqs
     engine.block_manager.check_all_free()
     return finals
