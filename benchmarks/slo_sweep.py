@@ -30,6 +30,7 @@ from pdserve.engine.args import DEFAULT_MODEL
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICIES = ("fcfs", "priority", "slo")
+PEERS = ("vllm",)   # at its defaults: it gets the same requests, priority 0 (its fcfs refuses others)
 SEED = 2800
 
 
@@ -72,7 +73,9 @@ def parse_targets(text: str) -> tuple[float, float]:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.slo_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated pdserve policies, and `vllm` for vLLM's CPU build (default: %(default)s)")
+    p.add_argument("--peers-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "pdserve-peers"))
     p.add_argument("--rates", default="1,2,4,8", help="request rates to sweep, req/s (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--short-len", type=int, default=64, help="interactive prompt tokens (default: %(default)s)")
@@ -93,13 +96,17 @@ def parse_args(argv):
         args.policies, args.rates, args.num_prompts = "fcfs,slo", "2,4,8", 24
     args.policies = args.policies.split(",")
     args.rates = sorted(float(r) for r in args.rates.split(","))
-    bad = [x for x in args.policies if x not in POLICIES]
+    bad = [x for x in args.policies if x not in POLICIES + PEERS]
     if bad:
-        p.error(f"--policies: unknown {bad}; choose from {POLICIES}")
+        p.error(f"--policies: unknown {bad}; choose from {POLICIES + PEERS}")
     return args
 
 
 def server_for(policy: str, args, log_dir: str) -> servers.Server:
+    if policy in PEERS:
+        from benchmarks import compare
+        name = os.path.basename(os.path.normpath(args.model))
+        return compare.server_for(policy, args.model, name, args.peers_dir, log_dir, args.dry_run)
     port = servers.free_port()
     cmd = [sys.executable, "-m", "pdserve", "serve", "--model", args.model, "--port", str(port),
            "--scheduling-policy", policy, "--log-level", "warning", *args.server_args.split()]
@@ -109,11 +116,12 @@ def server_for(policy: str, args, log_dir: str) -> servers.Server:
 def bench_command(server: servers.Server, policy: str, rate: float, args, out: str | None, seed: int = SEED,
                   num_prompts: int | None = None) -> list[str]:
     (st, sp), (lt, lp) = parse_targets(args.short), parse_targets(args.long)
+    short_p, long_p = ("", "") if policy in PEERS else (":0", ":1")
     return [sys.executable, "-m", "pdserve", "bench", "--base-url", server.base_url, "--dataset-name", "long-short",
             "--random-input-len", str(args.short_len), "--long-input-len", str(args.long_len),
             "--long-fraction", str(args.long_fraction), "--random-output-len", str(args.output_len),
             "--num-prompts", str(num_prompts or args.num_prompts), "--request-rate", str(rate), "--seed", str(seed),
-            "--slo-mix", f"short:{st:g}:{sp:g}:0", f"long:{lt:g}:{lp:g}:1", "--label", policy,
+            "--slo-mix", f"short:{st:g}:{sp:g}{short_p}", f"long:{lt:g}:{lp:g}{long_p}", "--label", policy,
             "--disable-tqdm", *(["--output", out] if out else [])]
 
 
@@ -125,7 +133,7 @@ def run_policy(policy: str, args, out_dir: str, log_dir: str) -> list[dict]:
             print("  " + " ".join(bench_command(server, policy, rate, args, "OUT.json")))
         return []
     rows = []
-    with server.start(timeout=300):
+    with server.start(timeout=900):
         # warm-up: other prompts (another seed), all at once
         subprocess.run(bench_command(server, policy, float("inf"), args, None, SEED + 1, 8),
                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=600)

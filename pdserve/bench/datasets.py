@@ -107,15 +107,32 @@ def long_short_requests(pool: list[int], n: int, short_len: int, long_len: int, 
     return reqs
 
 
-def multi_turn_conversations(n: int, num_turns: int, seed) -> list[list[str]]:
+def multi_turn_conversations(n: int, num_turns: int, seed, passage_words: int = 0) -> list[list[str]]:
     """n conversations of num_turns user messages each, the questions of the bundled dialogues
-    corpus drawn at random (the answers are the server's own, sent back as the history grows)."""
+    corpus drawn at random (the answers are the server's own, sent back as the history grows).
+    With passage_words, each message first quotes that many consecutive words of the story corpus
+    (a user chatting about documents): the history then grows by the messages themselves, also
+    with a model whose answers are short or empty."""
     if num_turns < 1:
         raise ValueError(f"--num-turns must be at least 1, got {num_turns}")
+    if passage_words < 0:
+        raise ValueError(f"--turn-passage-words must be >= 0, got {passage_words}")
     with open(DIALOGUES, encoding="utf-8") as f:
         questions = [json.loads(line)[0]["content"] for line in f if line.strip()]
+    words = []
+    if passage_words:
+        with open(POOL_TEXT, encoding="utf-8") as f:
+            words = f.read().split()
+        if len(words) <= passage_words:
+            raise ValueError(f"--turn-passage-words {passage_words}: the corpus has {len(words)} words")
     rng = np.random.default_rng(seed)
-    return [[questions[i] for i in rng.integers(0, len(questions), size=num_turns)] for _ in range(n)]
+    convs = [[questions[i] for i in rng.integers(0, len(questions), size=num_turns)] for _ in range(n)]
+    if passage_words:   # drawn after the questions: the same seed asks the same questions either way
+        for turns in convs:
+            for k, question in enumerate(turns):
+                at = int(rng.integers(0, len(words) - passage_words))
+                turns[k] = " ".join(words[at:at + passage_words]) + "\n\n" + question
+    return convs
 
 
 def file_requests(path: str, n: int | None, default_output_len: int) -> list[BenchRequest]:
@@ -168,6 +185,9 @@ def add_dataset_arguments(parser) -> None:
     g.add_argument("--num-turns", type=int, default=5,
                    help="multi-turn: user turns per conversation; each answer is --random-output-len tokens "
                         "(default: %(default)s)")
+    g.add_argument("--turn-passage-words", type=int, default=0,
+                   help="multi-turn: words of story text quoted before each user question, so the history "
+                        "grows also when the answers are short (default: %(default)s)")
     g.add_argument("--long-input-len", type=int, default=768,
                    help="long-short: prompt tokens of the long requests (default: %(default)s)")
     g.add_argument("--long-fraction", type=float, default=0.1,

@@ -275,8 +275,9 @@ def _setup(args, headers: dict) -> tuple[str, list[BenchRequest], list[BenchRequ
         model = r.json()["data"][0]["id"]
     if args.dataset_name == "multi-turn" and not args.dataset_path:   # conversations, not requests
         n = 100 if args.num_prompts is None else args.num_prompts
-        warmups = multi_turn_conversations(args.num_warmups, args.num_turns, [args.seed, 1]) if args.num_warmups else []
-        return model, multi_turn_conversations(n, args.num_turns, args.seed), warmups
+        words = args.turn_passage_words
+        warmups = multi_turn_conversations(args.num_warmups, args.num_turns, [args.seed, 1], words) if args.num_warmups else []
+        return model, multi_turn_conversations(n, args.num_turns, args.seed, words), warmups
     pool = None
     if not args.dataset_path:
         pool = list(range(args.vocab_size)) if args.vocab_size else fetch_token_pool(args.base_url, headers)

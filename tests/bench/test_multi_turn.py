@@ -17,6 +17,18 @@ def test_conversations_are_corpus_questions_fixed_by_the_seed():
         multi_turn_conversations(1, 0, seed=0)
 
 
+def test_passages_make_each_turn_longer_and_differ_between_turns():
+    plain = multi_turn_conversations(3, 4, seed=3)
+    quoted = multi_turn_conversations(3, 4, seed=3, passage_words=50)
+    for conv_plain, conv in zip(plain, quoted):
+        for q, turn in zip(conv_plain, conv):
+            passage, question = turn.rsplit("\n\n", 1)
+            assert question == q and len(passage.split()) == 50
+    assert len({turn.rsplit("\n\n", 1)[0] for conv in quoted for turn in conv}) == 12
+    with pytest.raises(ValueError, match="--turn-passage-words"):
+        multi_turn_conversations(1, 1, seed=0, passage_words=-1)
+
+
 def chat_chunk(delta, finish=None, usage=None):
     event = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if delta is not None else []}
     if usage:

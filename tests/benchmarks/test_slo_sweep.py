@@ -30,3 +30,12 @@ def test_dry_run_prints_one_server_and_a_bench_per_rate(capsys, tmp_path):
     assert len(servers) == 2 and "--scheduling-policy slo" in servers[1]
     assert len(benches) == 4 and "--request-rate 1.0" in benches[0] and "--request-rate 4.0" in benches[1]
     assert "--slo-mix short:1000:60:0 long:20000:400:1" in benches[0]
+
+
+def test_vllm_gets_the_same_targets_without_priorities(capsys, tmp_path):
+    assert slo_sweep.main(["--dry-run", "--policies", "vllm", "--rates", "1", "--results", str(tmp_path),
+                           "--peers-dir", str(tmp_path / "peers")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("vllm" in line and " serve " in line for line in lines)
+    bench = next(line for line in lines if " bench " in line)
+    assert "--slo-mix short:1000:60 long:20000:400 " in bench   # its fcfs scheduler refuses priority != 0
