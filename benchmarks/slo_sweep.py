@@ -125,23 +125,30 @@ def bench_command(server: servers.Server, policy: str, rate: float, args, out: s
             "--disable-tqdm", *(["--output", out] if out else [])]
 
 
+def rate_seed(k: int) -> int:
+    """The k-th rate's prompts: the same for every system, new at each rate. Every server caches
+    prefixes (pdserve's cache is on by default): a rate that resent an earlier rate's prompts
+    would measure cache hits, not scheduling."""
+    return SEED + 100 * (k + 1)
+
+
 def run_policy(policy: str, args, out_dir: str, log_dir: str) -> list[dict]:
     server = server_for(policy, args, log_dir)
     if args.dry_run:
         print(" ".join(server.cmd))
-        for rate in args.rates:
-            print("  " + " ".join(bench_command(server, policy, rate, args, "OUT.json")))
+        for k, rate in enumerate(args.rates):
+            print("  " + " ".join(bench_command(server, policy, rate, args, "OUT.json", rate_seed(k))))
         return []
     rows = []
     with server.start(timeout=900):
         # warm-up: other prompts (another seed), all at once
         subprocess.run(bench_command(server, policy, float("inf"), args, None, SEED + 1, 8),
                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=600)
-        for rate in args.rates:
+        for k, rate in enumerate(args.rates):
             out = os.path.join(out_dir, f"{policy}-{rate:g}.json")
             t0 = time.monotonic()
             with open(os.path.join(log_dir, f"bench-{policy}-{rate:g}.log"), "w") as log:
-                rc = subprocess.run(bench_command(server, policy, rate, args, out), stdout=log,
+                rc = subprocess.run(bench_command(server, policy, rate, args, out, rate_seed(k)), stdout=log,
                                     stderr=subprocess.STDOUT, timeout=1200).returncode
             if rc not in (0, 1) or not os.path.exists(out):
                 print(f"{policy} at {rate:g} req/s: pdserve bench exit {rc}", flush=True)

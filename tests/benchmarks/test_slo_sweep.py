@@ -39,3 +39,10 @@ def test_vllm_gets_the_same_targets_without_priorities(capsys, tmp_path):
     assert any("vllm" in line and " serve " in line for line in lines)
     bench = next(line for line in lines if " bench " in line)
     assert "--slo-mix short:1000:60 long:20000:400 " in bench   # its fcfs scheduler refuses priority != 0
+
+
+def test_each_rate_sends_new_prompts_and_each_system_the_same_ones(capsys, tmp_path):
+    assert slo_sweep.main(["--dry-run", "--policies", "fcfs,slo", "--rates", "1,2,4", "--results", str(tmp_path)]) == 0
+    benches = [line for line in capsys.readouterr().out.splitlines() if " bench " in line]
+    seeds = [line.split("--seed ")[1].split()[0] for line in benches]
+    assert len(set(seeds[:3])) == 3 and seeds[:3] == seeds[3:]   # a cached prompt would be a free hit
