@@ -11,9 +11,13 @@ requests asked for, as a few hooks the Scheduler calls.
 - slo: prefills (waiting and running) ordered by TTFT slack, deadline minus the predicted time
   of the prefill still to do (now is common to all, so the order is by that difference); a
   sequence that was preempted after its first token goes first (its TPOT is what suffers). In a
-  step that decodes, prefill tokens are capped so the predicted step time stays within the
-  tightest TPOT target among the step's decodes (less TPOT_HEADROOM), by a StepCostModel; the cap is >= 1, so the
-  most urgent prefill advances in every step, and a request without a TTFT target is ordered as
+  step that decodes, prefill tokens are capped so the predicted step time stays within what the
+  step's decodes can afford, by a StepCostModel. A TPOT target is a mean over the request's
+  tokens, so each decode may spend on this step its target (less TPOT_HEADROOM) plus its credit:
+  the time it is ahead of its target so far, and what its next TPOT_LOOKAHEAD tokens will save
+  at the predicted decode-step time (at most its remaining max_tokens); the tightest decode sets
+  the cap. A request that stops early (eos) before those tokens can so end a little over its
+  target. The cap is >= 1, so the most urgent prefill advances in every step, and a request without a TTFT target is ordered as
   if it had NO_TARGET_TTFT_S: deadlines are finite, so earliest-deadline order starves nothing.
   With admission="reject", a request whose predicted TTFT misses its target is refused at once.
 """
@@ -24,6 +28,8 @@ NO_TARGET_TTFT_S = 30.0
 # a step is planned to take at most this share of the tightest TPOT target: step times scatter
 # around the model's prediction, and a step planned at exactly the target misses half the time
 TPOT_HEADROOM = 0.8
+# future tokens whose saving a decode may lend to the current step (see the slo policy above)
+TPOT_LOOKAHEAD = 16
 
 
 class FCFSPolicy:
@@ -40,7 +46,7 @@ class FCFSPolicy:
     def order_prefills(self, prefills: list[Sequence]) -> list[Sequence]:
         return prefills
 
-    def prefill_cap(self, out, budget: int) -> int:
+    def prefill_cap(self, out, budget: int, now: float | None = None) -> int:
         """Prefill tokens this step may take beside the decodes already in `out`."""
         return budget
 
@@ -121,21 +127,34 @@ class SLOPolicy(FCFSPolicy):
     def order_prefills(self, prefills):
         return sorted(prefills, key=self.key) if len(prefills) > 1 else prefills
 
-    def prefill_cap(self, out, budget):
-        target = None
-        decodes, pairs = 0, 0
-        for s, n, prefill in zip(out.seqs, out.num_tokens, out.is_prefill):
+    def prefill_cap(self, out, budget, now=None):
+        decodes, pairs, targeted = 0, 0, []
+        for s, prefill in zip(out.seqs, out.is_prefill):
             if prefill:
                 continue
             decodes += 1
             pairs += s.num_computed_tokens + 1
-            t = s.metrics.tpot_target
-            if t is not None and (target is None or t < target):
-                target = t
-        if target is None:   # nothing decoding with a TPOT target: no TPOT at stake
+            if s.metrics.tpot_target is not None:
+                targeted.append(s)
+        if not targeted:   # nothing decoding with a TPOT target: no TPOT at stake
             return budget
-        cap = self.cost_model.max_prefill_tokens(TPOT_HEADROOM * target, decodes, pairs, budget)
+        decode_step = self.cost_model.predict(decodes, decodes, pairs)
+        allowed = min(self.step_allowance(s, now, decode_step) for s in targeted)
+        cap = self.cost_model.max_prefill_tokens(allowed, decodes, pairs, budget)
         return min(budget, max(1, cap))
+
+    @staticmethod
+    def step_allowance(seq: Sequence, now: float | None, decode_step: float) -> float:
+        """Seconds this step may take for seq to stay within its TPOT target on average: its
+        per-token allowance, plus the time it is ahead so far and what its next tokens save."""
+        m = seq.metrics
+        per_token = TPOT_HEADROOM * m.tpot_target
+        if now is None or m.first_token_time is None:
+            return per_token
+        gaps = seq.num_output_tokens - 1   # token intervals so far (the first token has none)
+        banked = per_token * gaps - (now - m.first_token_time)
+        ahead = min(TPOT_LOOKAHEAD, max(0, seq.params.max_tokens - seq.num_output_tokens - 1))
+        return max(per_token, per_token + banked + ahead * (per_token - decode_step))
 
     def predicted_ttft(self, seq: Sequence, scheduler) -> float:
         """Seconds until seq's first token if it queues behind every prefill that is more urgent,

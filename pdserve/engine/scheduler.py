@@ -68,6 +68,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
         self.policy = policy or FCFSPolicy()
+        self.now = 0.0   # the time schedule() was called with
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -77,6 +78,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.now = now
         budget = self.max_num_batched_tokens
         room = self.policy.make_room(self, budget)   # priority: evict lower ones for a waiting one
         for victim in room:
@@ -163,7 +165,7 @@ class Scheduler:
         cap = self.max_prefill_tokens_with_decodes
         if cap and any(not p for p in out.is_prefill):
             budget = min(cap, budget)
-        return self.policy.prefill_cap(out, budget)
+        return self.policy.prefill_cap(out, budget, self.now)
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: free the blocks, requeue at the front; its tokens are kept."""

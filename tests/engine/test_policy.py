@@ -171,6 +171,45 @@ def test_slo_caps_prefill_to_protect_the_tightest_tpot():
     assert out.num_tokens == [1, 19] and out.num_prefill_tokens == 19
 
 
+def decoding(s: Scheduler, name: str, outputs: int, tpot: float, max_tokens: int = 100) -> Sequence:
+    """A sequence admitted and decoded until it has `outputs` tokens."""
+    a = seq(name, 4, tpot=tpot)
+    a.params.max_tokens = max_tokens
+    s.add(a)
+    for _ in range(outputs):
+        run_step(s)
+    assert a.num_output_tokens == outputs
+    return a
+
+
+def test_slo_cap_lends_a_decode_its_credit_against_a_mean_tpot():
+    s = slo_scheduler(budget=512)
+    a = decoding(s, "a", 5, tpot=0.040)
+    a.metrics.first_token_time = 1.0 - 0.0995   # 4 intervals in 99.5 ms, against 4 x 32 ms allowed
+    s.add(seq("b", 1000, ttft=10.0))
+    out = run_step(s, now=1.0)
+    # allowance 32 ms + 28.5 ms banked + 16 tokens x (32 - 11 ms decode step) = 396.5 ms:
+    # 10 ms + (1 + n) ms <= 396.5 ms -> n = 385
+    assert names(out.seqs) == ["a", "b"] and out.num_tokens == [1, 385]
+
+
+def test_slo_cap_without_credit_is_the_per_token_allowance():
+    s = slo_scheduler(budget=512)
+    a = decoding(s, "a", 5, tpot=0.0375)
+    a.metrics.first_token_time = 1.0 - 0.5   # far behind its target: nothing to lend
+    s.add(seq("b", 1000, ttft=10.0))
+    assert run_step(s, now=1.0).num_tokens == [1, 19]   # as with no credit at all
+
+
+def test_slo_cap_lends_only_the_tokens_a_request_has_left():
+    s = slo_scheduler(budget=512)
+    a = decoding(s, "a", 5, tpot=0.040, max_tokens=7)   # one more token after this step's
+    a.metrics.first_token_time = 1.0 - 0.1275   # 0.5 ms banked
+    s.add(seq("b", 1000, ttft=10.0))
+    # 32 + 0.5 + 1 x 21 = 53.5 ms -> n = 42
+    assert run_step(s, now=1.0).num_tokens == [1, 42]
+
+
 def test_slo_cap_follows_the_tightest_running_target():
     s = slo_scheduler(budget=64)
     s.add(seq("a", 4, tpot=0.030))
