@@ -17,7 +17,8 @@ requests asked for, as a few hooks the Scheduler calls.
   the time it is ahead of its target so far, and what its next TPOT_LOOKAHEAD tokens will save
   at the predicted decode-step time (at most its remaining max_tokens); the tightest decode sets
   the cap. A request that stops early (eos) before those tokens can so end a little over its
-  target. The cap is >= 1, so the most urgent prefill advances in every step, and a request without a TTFT target is ordered as
+  target. A waiting request more urgent than a running prefill is admitted before that prefill's
+  next chunk. The cap is >= 1, so the most urgent prefill advances in every step, and a request without a TTFT target is ordered as
   if it had NO_TARGET_TTFT_S: deadlines are finite, so earliest-deadline order starves nothing.
   With admission="reject", a request whose predicted TTFT misses its target is refused at once.
 """
@@ -45,6 +46,14 @@ class FCFSPolicy:
 
     def order_prefills(self, prefills: list[Sequence]) -> list[Sequence]:
         return prefills
+
+    def urgent_waiting(self, waiting) -> Sequence | None:
+        """A waiting request that may be admitted before running prefills continue (None: none may)."""
+        return None
+
+    def before(self, a: Sequence, b: Sequence) -> bool:
+        """Is a more urgent than b (for urgent_waiting's request against a running prefill)?"""
+        return False
 
     def prefill_cap(self, out, budget: int, now: float | None = None) -> int:
         """Prefill tokens this step may take beside the decodes already in `out`."""
@@ -126,6 +135,12 @@ class SLOPolicy(FCFSPolicy):
 
     def order_prefills(self, prefills):
         return sorted(prefills, key=self.key) if len(prefills) > 1 else prefills
+
+    def urgent_waiting(self, waiting):
+        return min(waiting, key=self.key)
+
+    def before(self, a, b):
+        return self.key(a)[0] < self.key(b)[0]   # by slack alone: a running prefill keeps ties
 
     def prefill_cap(self, out, budget, now=None):
         decodes, pairs, targeted = 0, 0, []

@@ -92,6 +92,10 @@ class Scheduler:
             (prefills if seq.num_computed_tokens < seq.prefill_len else decodes).append(seq)
         running = SequenceStatus.RUNNING
         block_size = self.block_manager.block_size
+        # a policy that ranks prefills by urgency (slo) admits a more urgent waiting request before
+        # running prefills continue: a short prompt does not wait for a long one's remaining chunks
+        urgent = (self.policy.urgent_waiting(self.waiting) if prefills and self.waiting
+                  and len(self.running) < self.max_num_seqs else None)
         for seq in decodes + self.policy.order_prefills(prefills):
             if budget == 0:
                 break
@@ -101,6 +105,8 @@ class Scheduler:
             prefill = computed < seq.prefill_len
             n = min(len(seq.token_ids) - computed, budget)
             if prefill:
+                if urgent is not None and self.policy.before(urgent, seq):
+                    break
                 if prefill_budget is None:
                     prefill_budget = self._prefill_budget(out, budget)
                 if prefill_budget == 0:

@@ -210,6 +210,26 @@ def test_slo_cap_lends_only_the_tokens_a_request_has_left():
     assert run_step(s, now=1.0).num_tokens == [1, 42]
 
 
+def test_slo_admits_an_urgent_arrival_before_a_running_prefill_continues():
+    s = slo_scheduler(budget=8)
+    s.add(seq("long", 80, arrival=0.0, ttft=60.0))
+    run_step(s)
+    s.add(seq("short", 6, arrival=0.5, ttft=1.0))
+    out = run_step(s)
+    assert names(out.seqs) == ["short"] and out.num_tokens == [6]   # the long one's chunk waits a step
+    out = run_step(s)
+    assert names(out.seqs) == ["short", "long"]   # then it continues beside the short one's decode
+
+
+def test_fcfs_lets_a_running_prefill_finish_first():
+    bm = BlockManager(num_blocks=100, block_size=4)
+    s = Scheduler(bm, 8, 8)
+    s.add(seq("long", 80, arrival=0.0, ttft=60.0))
+    run_step(s)
+    s.add(seq("short", 6, arrival=0.5, ttft=1.0))
+    assert names(run_step(s).seqs) == ["long"]
+
+
 def test_slo_cap_follows_the_tightest_running_target():
     s = slo_scheduler(budget=64)
     s.add(seq("a", 4, tpot=0.030))
