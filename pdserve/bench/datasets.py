@@ -132,7 +132,7 @@ def edit_requests(n: int, output_len: int, seed) -> list[BenchRequest]:
     for i in rng.integers(0, len(stories), size=n):
         story = " ".join(stories[i].split()[:max(8, output_len)])
         first = story.split(". ")[0] + "."
-        reqs.append(BenchRequest(f"{story}\n\n{EDIT_INSTRUCTION}\n\n{first}", None, output_len, "edit"))
+        reqs.append(BenchRequest(f"{story}\n\n{EDIT_INSTRUCTION}\n\n{first}", None, output_len))
     return reqs
 
 
