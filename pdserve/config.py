@@ -154,6 +154,15 @@ class EngineConfig:
     slo_admission: str = option("serve", "slo policy: reject refuses at once (503 slo_unattainable) a request "
                                 "whose TTFT target the step-time model says cannot be met; serve queues it anyway",
                                 choices=["serve", "reject"])
+    num_speculative_tokens: int = option(0, "speculative decoding: drafts proposed per sequence and step, verified "
+                                         "in one forward (0 = off); by n-gram prompt lookup unless "
+                                         "--speculative-model is given (docs/API.md)", min=0, metavar="K")
+    speculative_model: str | None = option(None, "speculative decoding: a small draft model of the same tokenizer "
+                                           "(checkpoint directory) proposes the drafts", metavar="DIR")
+    speculative_config: str | None = option(None, "speculative decoding as vLLM's JSON: {\"method\": \"ngram\" | "
+                                            "\"draft_model\", \"num_speculative_tokens\", \"prompt_lookup_min\", "
+                                            "\"prompt_lookup_max\", \"model\"}; its keys override the two flags above",
+                                            metavar="JSON")
 
     def __post_init__(self):
         if self.device is None:
@@ -196,6 +205,12 @@ class EngineConfig:
             logging.getLogger("pdserve").warning("max_num_seqs %d capped at max_num_batched_tokens %d",
                                                  self.max_num_seqs, self.max_num_batched_tokens)
             self.max_num_seqs = self.max_num_batched_tokens
+        self.speculative()   # checked here, so a bad value fails before anything loads
+
+    def speculative(self):
+        """The speculative decoding asked for (pdserve/spec_decode/config.py), or None."""
+        from pdserve.spec_decode.config import speculative_config
+        return speculative_config(self.num_speculative_tokens, self.speculative_model, self.speculative_config)
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype == "auto":

@@ -21,7 +21,9 @@ import numpy as np
 POOL_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "stories.txt")
 POOL_TEXT_CHARS = 20000   # enough text for a few thousand distinct ids on a 150k vocabulary
 DIALOGUES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "dialogues.jsonl")
-DATASETS = ("random", "shared-prefix", "long-short", "multi-turn")
+DATASETS = ("random", "shared-prefix", "long-short", "multi-turn", "edit")
+EDIT_INSTRUCTION = "Copy out the story above again, fixing any mistakes:"
+
 
 
 @dataclass
@@ -135,6 +137,22 @@ def multi_turn_conversations(n: int, num_turns: int, seed, passage_words: int = 
     return convs
 
 
+def edit_requests(n: int, output_len: int, seed) -> list[BenchRequest]:
+    """Text prompts holding a story of the bundled corpus, an instruction to write it out again
+    and its first sentence: an answer that follows the instruction repeats the prompt (what
+    speculative decoding's n-gram lookup is for). Stories drawn at random, each cut to about
+    output_len words so the answer has text to repeat."""
+    with open(POOL_TEXT, encoding="utf-8") as f:
+        stories = [s.strip() for s in f.read().split("\n\n") if s.strip()]
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in rng.integers(0, len(stories), size=n):
+        story = " ".join(stories[i].split()[:max(8, output_len)])
+        first = story.split(". ")[0] + "."
+        reqs.append(BenchRequest(f"{story}\n\n{EDIT_INSTRUCTION}\n\n{first}", None, output_len))
+    return reqs
+
+
 def file_requests(path: str, n: int | None, default_output_len: int) -> list[BenchRequest]:
     """The first n lines of a JSONL file of {"prompt": text or token ids, "max_tokens"?: int}."""
     reqs = []
@@ -165,7 +183,8 @@ def add_dataset_arguments(parser) -> None:
                    help="generated prompts (token ids): random lengths; groups sharing a system prompt; "
                         "a few long prompts among short ones; or multi-turn chats (/v1/chat/completions, "
                         "each turn sent when the previous answer arrived, history growing; --num-prompts "
-                        "counts conversations) (default: %(default)s)")
+                        "counts conversations); or edit: text prompts holding a story the answer is asked to "
+                        "repeat, where speculative decoding's n-gram lookup hits (default: %(default)s)")
     g.add_argument("--dataset-path", default=None, metavar="FILE.jsonl",
                    help='prompts from a file instead, one {"prompt": text or token ids, "max_tokens"?: N} '
                         "per line, sent in file order")
@@ -201,6 +220,8 @@ def make_requests(args, n: int | None, seed, pool: list[int] | None) -> list[Ben
     if args.dataset_path:
         return file_requests(args.dataset_path, n, args.random_output_len)
     n = 100 if n is None else n
+    if args.dataset_name == "edit":
+        return edit_requests(n, args.random_output_len, seed)
     if args.dataset_name == "random":
         return random_requests(pool, n, args.random_input_len, args.random_output_len, args.random_range_ratio, seed)
     if args.dataset_name == "shared-prefix":

@@ -199,6 +199,9 @@ def print_summary(res: dict, slos: dict) -> None:
     print(line("Total token throughput (tok/s):", f"{res['total_token_throughput']:.2f}"))
     rate = res.get("prefix_cache_hit_rate")
     print(line("Prefix cache hit rate (usage):", "n/a (no cached_tokens)" if rate is None else f"{100 * rate:.1f}%"))
+    if res.get("spec_decode_num_draft_tokens"):
+        print(line("Spec decode acceptance rate:", f"{100 * res['spec_decode_acceptance_rate']:.1f}% of "
+                                                   f"{res['spec_decode_num_draft_tokens']} drafts"))
     kinds = {k for k in res.get("request_kinds", []) if k and not k.startswith("turn")}   # turns: their own table
     groups = [""] + [f"{k}_" for k in sorted(kinds)]
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
@@ -221,6 +224,44 @@ def print_summary(res: dict, slos: dict) -> None:
         print(f"failed x{count}: {err[:300]}")
     if len(errors) > 5:
         print(f"... and {len(errors) - 5} other errors (all in the JSON's `errors`)")
+
+
+SPEC_COUNTERS = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+
+
+def spec_decode_counters(base_url: str, headers: dict) -> dict | None:
+    """The server's speculative-decoding counters from /metrics (pdserve's and vLLM's names);
+    None where it has no /metrics or no such counters."""
+    try:
+        r = httpx.get(base_url + "/metrics", headers=headers, timeout=30)
+        if r.status_code != 200:
+            return None
+    except httpx.HTTPError:
+        return None
+    return parse_spec_counters(r.text)
+
+
+def parse_spec_counters(text: str) -> dict | None:
+    """SPEC_COUNTERS' totals in a Prometheus text page (summed over labels), if all are there."""
+    totals = {}
+    for row in text.splitlines():
+        name, _, rest = row.partition("{")
+        name = name.split(" ")[0].split(":", 1)[-1]
+        if name in SPEC_COUNTERS and not row.startswith("#"):
+            try:
+                totals[name] = totals.get(name, 0.0) + float(row.rsplit(" ", 1)[-1])
+            except ValueError:
+                continue
+    return totals if len(totals) == len(SPEC_COUNTERS) else None
+
+
+def spec_decode_delta(before: dict | None, after: dict | None) -> dict:
+    """Drafts and accepted drafts during the run, and the acceptance rate; {} if not known."""
+    if before is None or after is None:
+        return {}
+    drafts, accepted = (int(after[k] - before[k]) for k in SPEC_COUNTERS)
+    return {"spec_decode_num_draft_tokens": drafts, "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / drafts if drafts else None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -279,7 +320,7 @@ def _setup(args, headers: dict) -> tuple[str, list[BenchRequest], list[BenchRequ
         warmups = multi_turn_conversations(args.num_warmups, args.num_turns, [args.seed, 1], words) if args.num_warmups else []
         return model, multi_turn_conversations(n, args.num_turns, args.seed, words), warmups
     pool = None
-    if not args.dataset_path:
+    if not args.dataset_path and args.dataset_name != "edit":   # edit: text prompts, no ids
         pool = list(range(args.vocab_size)) if args.vocab_size else fetch_token_pool(args.base_url, headers)
     requests = make_requests(args, args.num_prompts, args.seed, pool)
     # warmups: fresh prompts (another seed), so they warm the server without caching measured prefixes
@@ -305,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(requests)} requests ({args.dataset_path or args.dataset_name}) to {args.base_url} model {model}; "
           f"rate {args.request_rate}, burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
 
+    spec_before = spec_decode_counters(args.base_url, headers)
     if args.dataset_name == "multi-turn" and not args.dataset_path:
         from pdserve.bench import multi_turn
         results, duration = asyncio.run(multi_turn.benchmark(args, args.base_url + "/v1/chat/completions", body,
@@ -320,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
         "num_warmups": args.num_warmups, "goodput_slos_ms": slos or None,
         **bench_metrics.compute_metrics(results, duration, slos),
+        **spec_decode_delta(spec_before, spec_decode_counters(args.base_url, headers)),
     }
     if args.dataset_name == "multi-turn" and not args.dataset_path:
         from pdserve.bench.multi_turn import turn_summary

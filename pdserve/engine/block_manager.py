@@ -103,6 +103,18 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the tail blocks of seq's table beyond `num_tokens` slots (a speculation's rejected
+        drafts). They were never full of computed tokens, so never cached: back to the front."""
+        keep = (num_tokens + self.block_size - 1) // self.block_size
+        table = seq.block_table
+        while len(table) > keep:
+            block = table.pop()
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] == 0 and self.block_hash[block] is None
+            self.free_blocks[block] = None
+            self.free_blocks.move_to_end(block, last=False)
+
     def slot(self, seq: Sequence, position: int) -> int:
         """The flat cache slot of token `position` of `seq`."""
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

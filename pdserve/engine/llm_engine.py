@@ -22,6 +22,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import RequestError, SLOUnattainable
 from pdserve.sampling_params import SamplingParams
+from pdserve.spec_decode.speculator import make_speculator
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pdserve.engine")
@@ -45,10 +46,13 @@ class LLMEngine:
         # the cache namespace: besides tokens and cache_salt, what makes a block's K/V what it is
         namespace = (str(self.runner.dtype), c.quantization)
         self.block_manager = BlockManager(self.runner.num_blocks, c.block_size, c.enable_prefix_caching, namespace)
-        # the step-time model the slo policy schedules by: fitted here, refitted from every step
-        self.cost_model = StepCostModel() if c.scheduling_policy == "slo" else None
+        # the step-time model the slo policy schedules by, and speculation turns itself down by:
+        # fitted here, refitted from every step
+        spec = c.speculative()
+        self.cost_model = StepCostModel() if c.scheduling_policy == "slo" or spec is not None else None
         if self.cost_model is not None:
             self.calibrate_cost_model()
+        self.speculator = None if spec is None else make_speculator(spec, self)
         policy = make_policy(c.scheduling_policy, self.cost_model, c.max_num_batched_tokens, c.slo_admission)
         self.scheduler = Scheduler(self.block_manager, c.max_num_batched_tokens, c.max_num_seqs,
                                    c.max_prefill_tokens_with_decodes, policy)
@@ -109,7 +113,8 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_free_blocks,
-                           bm.num_blocks, bm.num_queries, bm.num_hits)
+                           bm.num_blocks, bm.num_queries, bm.num_hits,
+                           None if self.speculator is None else self.speculator.stats)
 
     def reset_prefix_cache(self) -> dict:
         """Forget the cached blocks no request holds (BlockManager.reset_prefix_cache)."""
@@ -121,6 +126,8 @@ class LLMEngine:
         start = time.perf_counter()
         sched = None
         try:
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             sched = self.scheduler.schedule(start)
             scheduled = time.perf_counter()
             if not sched.seqs:
@@ -130,19 +137,26 @@ class LLMEngine:
             if self.cost_model is not None:   # before the step advances num_computed_tokens
                 features = step_features(sched.num_tokens, [seq.num_computed_tokens for seq in sched.seqs])
             sampled = self.runner.execute(sched)
+            if self.speculator is not None:   # before mark_computed: rejected drafts are not computed
+                self.speculator.verified(sched, sampled)
             self.scheduler.mark_computed(sched)
             now = time.perf_counter()
             failed = []
             for seq, token, logprobs in sampled:
                 # One request's failure here (its sampling: token None; detokenizing, stop checks)
-                # fails it alone; the others of the step go on.
+                # fails it alone; the others of the step go on. A verified speculation brings a
+                # list of tokens (and of logprobs).
                 try:
                     if token is None:
                         raise RuntimeError("its sampling failed")
-                    self.processor.append_token(seq, token, logprobs, now)
+                    if type(token) is list:
+                        token = self._append_tokens(seq, token, logprobs, now)
+                    else:
+                        self.processor.append_token(seq, token, logprobs, now)
+                        token = [token]
                     if seq.finish_reason is None:
                         if not seq.final_only:
-                            outputs.append(self.processor.make_output(seq, [token]))
+                            outputs.append(self.processor.make_output(seq, token))
                         continue
                 except Exception:
                     logger.exception("request %s failed in this step; only it fails", seq.request_id)
@@ -215,14 +229,22 @@ class LLMEngine:
             seq.metrics.finished_time = now
             outputs.append(self._finish(seq, None))
 
-    def _finish(self, seq: Sequence, token: int | None) -> RequestOutput:
-        """The final output of a sequence the scheduler has finished. If making it fails, the
-        request still gets one, an error, rather than none."""
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list | None, now: float) -> list[int]:
+        """A verification's tokens, one at a time until one stops the sequence; those appended."""
+        for i, token in enumerate(tokens):
+            self.processor.append_token(seq, token, None if logprobs is None else logprobs[i], now)
+            if seq.finish_reason is not None:
+                return tokens[:i + 1]
+        return tokens
+
+    def _finish(self, seq: Sequence, new_tokens: list[int] | None) -> RequestOutput:
+        """The final output of a sequence the scheduler has finished (new_tokens: this step's).
+        If making it fails, the request still gets one, an error, rather than none."""
         del self.seqs[seq.request_id]
         try:
             if seq.final_only:   # its only output: everything is new
                 return self.processor.make_output(seq, seq.output_token_ids)
-            return self.processor.make_output(seq, [] if token is None else [token])
+            return self.processor.make_output(seq, new_tokens or [])
         except Exception:
             logger.exception("the final output of request %s failed", seq.request_id)
             seq.finish_reason, seq.stop_reason = "error", None

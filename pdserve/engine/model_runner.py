@@ -21,6 +21,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.layers.packed_linear import PackedLinear, pack_model
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.loader import embed_module_name, load_model
+from pdserve.spec_decode import rejection
 
 DEFAULT_KV_CACHE_CAP = 4 << 30  # bytes, when neither --num-kv-blocks nor --kv-cache-memory is given
 
@@ -102,7 +103,7 @@ class ModelRunner:
         """Flat inputs for the step, and which flat rows need logits (with their sequences)."""
         input_ids, positions, slots = [], [], []
         groups = {True: ([], [], [], []), False: ([], [], [], [])}  # decode? -> q_lens, starts, ctx, tables
-        logit_rows, sample_seqs = [], []
+        logit_rows, sample_seqs, verify = [], [], []
         bs = self.block_size
         for seq, n in zip(sched.seqs, sched.num_tokens):
             start, first = len(input_ids), seq.num_computed_tokens
@@ -112,7 +113,10 @@ class ModelRunner:
                 positions.append(first)
                 slots.append(table[first // bs] * bs + first % bs)
             else:
-                input_ids.extend(seq.token_ids[first:first + n])
+                ids = seq.token_ids[first:first + n]
+                if len(ids) < n:   # a verification: the last token, then the drafts (pdserve/spec_decode)
+                    ids += seq.draft_token_ids[:n - len(ids)]
+                input_ids.extend(ids)
                 pos = range(first, first + n)
                 positions.extend(pos)
                 slots.extend(table[p // bs] * bs + p % bs for p in pos)
@@ -124,23 +128,26 @@ class ModelRunner:
             if first + n == seq.num_tokens:   # all its tokens are cached after this step: sample
                 logit_rows.append(start + n - 1)
                 sample_seqs.append(seq)
+            elif first + n > seq.num_tokens:   # verifying drafts: logits at all n rows
+                verify.append((seq, start, n))
         (input_ids_t, positions_t, _), meta = build_metadata(
             [input_ids, positions, slots], [g for g in groups.values() if g[0]], bs, self.sliding_window,
             self.device, with_mask=not self.attention_kernels)
-        return input_ids_t, positions_t, meta, logit_rows, sample_seqs
+        return input_ids_t, positions_t, meta, logit_rows, sample_seqs, verify
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput):
         """Run the step. Returns [(seq, token, logprobs)] for the sequences that sample.
         Times its phases into last_times (prepare, forward, sample), in seconds."""
         t0 = time.perf_counter()
-        input_ids, positions, meta, logit_rows, sample_seqs = self.prepare(sched)
+        input_ids, positions, meta, logit_rows, sample_seqs, verify = self.prepare(sched)
         # the grammar masks of the constrained rows, computed while the forward runs
         matchers = [s.matcher for s in sample_seqs if s.matcher is not None]
         masks = self._mask_pool().submit(self.sampler.grammars.fill_masks, matchers) if matchers else None
         t1 = self._now()
         with attention_context(meta):
             hidden = self.model(input_ids, positions)
+        verified = self._verify(hidden, verify) if verify else []
         logits = tokens = None
         forced: dict[int, int] = {}
         if logit_rows:   # every row samples in a step of decodes only: no gather then
@@ -168,7 +175,18 @@ class ModelRunner:
             result = [(seq, self.sampler.take_forced(seq, forced[i]), None) if i in forced else (seq, *next(sampled))
                       for i, seq in enumerate(sample_seqs)]
         self.last_times = {"prepare": t1 - t0, "forward": t2 - t1, "sample": self._now() - t2}
+        if verified:
+            result.extend(verified)
         return result
+
+    def _verify(self, hidden: torch.Tensor, verify: list) -> list:
+        """[(seq, tokens, logprobs)] of the sequences verifying drafts (spec_decode/rejection.py):
+        the accepted drafts and one more token each, from the logits of all their rows."""
+        rows = [r for _, start, n in verify for r in range(start, start + n)]
+        h = hidden[rows]
+        if self.fused_argmax and h.dtype == torch.float32 and all(s.argmax_only for s, _, _ in verify):
+            return rejection.verify(verify, None, self.model.compute_argmax(h).tolist(), self.sampler)
+        return rejection.verify(verify, self.model.compute_logits(h).float(), None, self.sampler)
 
     def _forced(self, seqs, pending):
         """The constrained rows' masks, and {row: token} for the rows whose grammar allows one
@@ -201,6 +219,6 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
         """All-position logits of one step (for tests comparing against a reference)."""
-        input_ids, positions, meta, _, _ = self.prepare(sched)
+        input_ids, positions, meta, *_ = self.prepare(sched)
         with attention_context(meta):
             return self.model.compute_logits(self.model(input_ids, positions)).float()

@@ -168,6 +168,7 @@ class EngineStats:
     num_total_blocks: int
     prefix_cache_queries: int = 0   # totals since start, in tokens
     prefix_cache_hits: int = 0
+    spec_decode: object = None      # speculative decoding's totals (spec_decode/speculator.py SpecStats), if on
 
     @property
     def kv_cache_usage(self) -> float:

@@ -137,10 +137,13 @@ class Sampler:
                 self._failed(seqs[i], failed, i, seqs[i].matcher.get_error())
 
     def _exponential(self, seq: Sequence, n: int) -> torch.Tensor:
+        return torch.empty(n, device=self.device).exponential_(generator=self.generator_for(seq))
+
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        """The RNG a row draws from: its request's own if it gave a seed, else the engine's."""
         if seq.params.seed is not None and seq.generator is None:
             seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
-        gen = seq.generator or self.generator
-        return torch.empty(n, device=self.device).exponential_(generator=gen)
+        return seq.generator or self.generator
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, i: int, s: Sequence) -> None:

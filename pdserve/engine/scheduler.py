@@ -23,6 +23,11 @@ What depends on the requests' objectives (waiting order, prefill order, a TPOT-d
 step's prefill tokens, the preemption victim, priority preemption) is the policy's
 (pdserve/engine/policy.py); with the default fcfs policy the rules above are the whole story.
 
+Speculative decoding (pdserve/spec_decode): a decode with drafts is scheduled its last token and
+its drafts (cut to the budget), with blocks for all; after the forward, SchedulerOutput.reject
+takes the rejected drafts' slots back before mark_computed, so they never count as computed and
+no block holding them joins the prefix cache.
+
 The scheduler has no model: it can be tested with fake sequences and fake sampled tokens."""
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,6 +45,11 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0   # sums of num_tokens over the prefills and the decodes, kept by add()
     num_decode_tokens: int = 0
+
+    def reject(self, i: int, num_rejected: int) -> None:
+        """After the forward: the rejected drafts of the i-th sequence's verification. Their K/V
+        slots do not count as computed (mark_computed) and are overwritten by later steps."""
+        self.num_tokens[i] -= num_rejected
 
     @property
     def total_tokens(self) -> int:
@@ -103,7 +113,10 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             prefill = computed < seq.prefill_len
-            n = min(len(seq.token_ids) - computed, budget)
+            drafts = seq.draft_token_ids   # a speculating decode: its last token and the drafts
+            n = min(len(seq.token_ids) - computed + len(drafts), budget)
+            if drafts and n <= len(drafts):
+                del drafts[max(0, n - 1):]
             if prefill:
                 if urgent is not None and self.policy.before(urgent, seq):
                     break
@@ -177,7 +190,8 @@ class Scheduler:
         """Evict by recompute: free the blocks, requeue at the front; its tokens are kept."""
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.draft_computed = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)

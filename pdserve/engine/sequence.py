@@ -27,7 +27,8 @@ class Sequence:
                  "num_computed_tokens", "prefill_len", "block_table", "metrics", "finish_reason", "stop_reason",
                  "logprobs", "argmax_only", "final_only", "stop_ids", "max_len", "generator", "detokenizer", "text",
                  "sent_text_len", "text_tokens", "defer_text", "block_hashes", "num_cached_blocks", "cache_parent",
-                 "priority", "stop_token_ids", "min_tokens_banned", "matcher")
+                 "priority", "stop_token_ids", "min_tokens_banned", "matcher", "draft_token_ids", "draft_computed",
+                 "spec_accepts", "spec_rejects")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
         self.request_id = request_id
@@ -68,6 +69,12 @@ class Sequence:
         # constrained decoding: the llguidance matcher of params.grammar (set by new_sequence);
         # a constrained sequence is never argmax_only, so its mask is always applied
         self.matcher = None
+        # speculative decoding (pdserve/spec_decode): the drafts proposed for the coming step (the
+        # scheduler may cut them to its budget), the tokens whose draft-model K/V is cached, and
+        # decayed counts of accepted and rejected drafts (the acceptance estimate)
+        self.draft_token_ids: list[int] = []
+        self.draft_computed = 0
+        self.spec_accepts = self.spec_rejects = 0.0
         # per-request RNG: a seeded request samples the same tokens whatever else is in the batch
         self.generator: torch.Generator | None = None
         # set by the OutputProcessor: generated text so far, and how much of it was streamed

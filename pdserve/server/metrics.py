@@ -66,6 +66,14 @@ class ServerMetrics:
         self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._cache_seen = (0, 0)
+        # speculative decoding (vLLM's names): verifications, drafts proposed, drafts accepted
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one per sequence and step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by their position among the drafts.",
+                                             ["position"])
+        self._spec_seen = [0, 0, 0, []]
         self._window = [time.monotonic(), 0, 0, 0, 0]   # start, prefill and decode tokens, cache queries, hits
         # objectives (docs/API.md): attainment per phase; the rate of request_goodput is goodput
         self.slo_requests = counter("request_slo", "Finished requests with a target for the phase (aborts "
@@ -110,11 +118,27 @@ class ServerMetrics:
             self._cache_seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
             self._window[3] += queries
             self._window[4] += hits
+        if stats.spec_decode is not None:
+            self._record_spec(stats.spec_decode)
         if time.monotonic() - self._window[0] >= LOG_INTERVAL_S:
             self._log_window(stats)
         for out in outputs:
             if out.finished:
                 self.record_finished(out)
+
+    def _record_spec(self, spec) -> None:
+        seen = self._spec_seen
+        if spec.num_drafts == seen[0]:
+            return
+        self.spec_drafts.inc(spec.num_drafts - seen[0])
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - seen[1])
+        self.spec_accepted.inc(spec.num_accepted_tokens - seen[2])
+        before = seen[3] or [0] * len(spec.accepted_per_pos)
+        for pos, (now, was) in enumerate(zip(spec.accepted_per_pos, before)):
+            if now > was:
+                self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(now - was)
+        self._spec_seen = [spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                           list(spec.accepted_per_pos)]
 
     def _log_window(self, stats: EngineStats) -> None:
         start, prefill, decode, queries, hits = self._window

@@ -94,3 +94,14 @@ def test_token_pool_from_vllm_or_llama_server_style_tokenize():
     assert pool(llama_server_like) == [7, 8]
     with pytest.raises(RuntimeError, match="--vocab-size"):
         pool(no_tokenize)
+
+
+def test_edit_prompts_hold_the_text_the_answer_repeats():
+    from pdserve.bench.datasets import EDIT_INSTRUCTION, edit_requests
+    reqs = edit_requests(20, output_len=40, seed=3)
+    assert len(reqs) == 20 and all(r.output_len == 40 and r.prompt_len is None for r in reqs)
+    for r in reqs:
+        story, rest = r.prompt.split(f"\n\n{EDIT_INSTRUCTION}\n\n")
+        assert story.startswith(rest) and len(story.split()) <= 40 and len(rest) < len(story)
+    assert len({r.prompt for r in reqs}) > 5
+    assert [r.prompt for r in edit_requests(5, 40, 3)] == [r.prompt for r in reqs[:5]]

@@ -143,7 +143,8 @@ def test_prepare_flattens_decodes_and_chunks_alike(path):
         seq.num_computed_tokens, seq.prefill_len = first, length if n > 1 else first
         bm.allocate(seq, first + n)
         sched.add(seq, n)
-    input_ids, positions, meta, logit_rows, sample_seqs = engine.runner.prepare(sched)
+    input_ids, positions, meta, logit_rows, sample_seqs, verify = engine.runner.prepare(sched)
+    assert verify == []   # no drafts: nothing verifies
     rows = [(seq, p) for seq, n in zip(sched.seqs, sched.num_tokens)
             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n)]
     assert input_ids.tolist() == [seq.token_ids[p] for seq, p in rows]
