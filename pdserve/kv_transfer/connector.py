@@ -85,6 +85,7 @@ class _Load:
     params: object
     runs: list
     cancelled: threading.Event = field(default_factory=threading.Event)
+    conn: socket.socket | None = None   # the pull's connection, once made
 
 
 class PDConnector(KVConnectorBase):
@@ -156,7 +157,7 @@ class PDConnector(KVConnectorBase):
         p, error, t0 = load.params, None, time.perf_counter()
         try:
             nbytes = tcp.pull(p.remote_host, p.remote_port, p.remote_request_id, load.start, load.end, self.layout,
-                              load.runs, p.transport, load.cancelled)
+                              load.runs, p.transport, load)
             self.stats.add(nbytes, time.perf_counter() - t0)
         except tcp.PullError as e:
             error = str(e)
@@ -193,6 +194,11 @@ class PDConnector(KVConnectorBase):
         load = self._loads.get(seq.request_id)
         if load is not None:
             load.cancelled.set()
+            if load.conn is not None:   # wake a pull blocked on the socket
+                try:
+                    load.conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def has_pending(self):
         return bool(self._loads) or (self.leases is not None and len(self.leases) > 0)
@@ -201,7 +207,7 @@ class PDConnector(KVConnectorBase):
         if self.server is not None:
             self.server.close()
         if self._pool is not None:
-            for load in self._loads.values():
-                load.cancelled.set()
+            for load in list(self._loads.values()):
+                self.cancel(load.seq)
             self._pool.shutdown(wait=True)
         return self.leases.collect(everything=True) if self.leases is not None else []

@@ -138,14 +138,19 @@ class PullError(Exception):
 
 
 def pull(host: str, port: int, request_id: str, start: int, end: int, layout: KVLayout, runs, transport: str,
-         cancelled: threading.Event | None = None) -> int:
+         handle=None) -> int:
     """Fetch positions [start, end) of the remote request into `runs` of this worker's cache and
     release the lease; the bytes received. PullError on any failure (the lease is then released
-    if the prefill worker can still be reached)."""
+    if the prefill worker can still be reached). `handle` (optional) has `cancelled`, an Event
+    checked between layers, and gets `conn`, the socket, which cancel() shuts down to stop a
+    pull waiting for bytes."""
+    cancelled = handle.cancelled if handle is not None else None
     try:
         conn = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
     except OSError as e:
         raise PullError(f"cannot reach the prefill worker's KV listener at {host}:{port}: {e}") from None
+    if handle is not None:
+        handle.conn = conn
     with conn:
         conn.settimeout(IO_TIMEOUT_S)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -154,7 +159,7 @@ def pull(host: str, port: int, request_id: str, start: int, end: int, layout: KV
             _release_on(conn, request_id)
             return got
         except (OSError, frames.FrameError, ValueError, InterruptedError) as e:
-            failure = e
+            failure = "the request was aborted" if cancelled is not None and cancelled.is_set() else e
     release(host, port, request_id)   # on a fresh connection: this one may be mid-frame
     raise PullError(str(failure)) from None
 
