@@ -55,7 +55,7 @@ class LLMEngine:
         policy = make_policy(c.scheduling_policy, self.cost_model, c.max_num_batched_tokens, c.slo_admission)
         # prefill/decode roles: the KV connector (None with --role both)
         self.kv_dtype = str(self.runner.dtype).removeprefix("torch.")
-        self.connector = make_connector(c, self.runner.kv_cache, self.kv_dtype)
+        self.connector = make_connector(c, self.runner, self.kv_dtype)
         self.scheduler = Scheduler(self.block_manager, c.max_num_batched_tokens, c.max_num_seqs,
                                    c.max_prefill_tokens_with_decodes, policy, self.connector)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); prefix caching %s", self.runner.num_blocks,

@@ -90,7 +90,8 @@ class _Load:
 
 class PDConnector(KVConnectorBase):
     def __init__(self, role: str, layout: KVLayout, block_size: int, dtype: str, *, host: str = "127.0.0.1",
-                 port: int = 0, transport: str = "tcp", lease_s: float = 60.0, pull_threads: int = 2):
+                 port: int = 0, transport: str = "tcp", lease_s: float = 60.0, pull_threads: int = 2,
+                 cache_file: str | None = None):
         self.role, self.layout, self.block_size, self.dtype, self.transport = role, layout, block_size, dtype, transport
         self.engine_id = uuid.uuid4().hex
         self.stats = tcp.TransferStats()
@@ -99,7 +100,7 @@ class PDConnector(KVConnectorBase):
         self.host = host if host not in WILDCARD_HOSTS else socket.gethostbyname(socket.gethostname())
         if role == "prefill":
             self.leases = LeaseTable(lease_s)
-            self.server = tcp.KVServer(host, port, self.leases, layout, block_size, self.stats)
+            self.server = tcp.KVServer(host, port, self.leases, layout, block_size, self.stats, cache_file)
             log.info("KV listener on %s:%d (%s transport), leases of %g s", host, self.server.port, transport, lease_s)
         self._pool = ThreadPoolExecutor(pull_threads, thread_name_prefix="pdserve-kv-pull") if role == "decode" else None
         self._pending: list[_Load] = []
