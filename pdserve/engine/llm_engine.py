@@ -119,6 +119,12 @@ class LLMEngine:
                                param="kv_transfer_params.num_tokens")
         seq.kv_transfer = kv
 
+    def wake(self) -> None:
+        """Cut short a step's idle wait for a KV pull (the one thread-safe method: the server
+        calls it when it posts a request or an abort)."""
+        if self.connector is not None:
+            self.connector.wake()
+
     def kv_transfer_info(self) -> dict:
         """What GET /v1/kv_transfer answers: the role and where this worker's KV can be pulled from."""
         info = self.connector.info() if self.connector is not None else {

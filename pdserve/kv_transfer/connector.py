@@ -58,6 +58,9 @@ class KVConnectorBase:
         """(loads that ended since the last call, kept requests whose blocks are to be freed now)."""
         return [], []
 
+    def wake(self) -> None:
+        """End a wait_for_load now (any thread: new work has come)."""
+
     def cancel(self, seq) -> None:
         """seq was aborted while loading: stop its load (it still ends in get_finished)."""
 
@@ -176,6 +179,9 @@ class PDConnector(KVConnectorBase):
             if deadline is not None:
                 timeout = max(0.0, min(timeout, deadline - self.leases.clock()))
         self._event.wait(timeout)
+
+    def wake(self):
+        self._event.set()
 
     def save_kv(self, seq):
         self.leases.add(seq.request_id, seq, seq.num_computed_tokens)
