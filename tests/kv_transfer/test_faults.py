@@ -1,5 +1,6 @@
 """Fault paths of a prefill/decode pair: an expired lease, a prefill worker that is gone, a
 decode-side abort during a pull, malformed and corrupted frames, mismatched workers."""
+import os
 import socket
 import struct
 import threading
@@ -183,3 +184,23 @@ def test_requests_that_do_not_fit_the_worker_are_refused(pair, tiny_llama):
     with pytest.raises(RequestError, match="remote_port"):
         KVTransferParams(do_remote_prefill=True, remote_host="h", remote_request_id="x", num_tokens=3)
     assert not dec.has_unfinished_requests()
+
+
+def test_shm_pull_from_a_tcp_prefill_worker_is_refused_and_recomputed(pair, tiny_llama):
+    pre, dec = pair()   # its cache is not in shared memory
+    prompts = corpus_prompts(pre.tokenizer, [40])
+    params = [{**p, "transport": "shm"} for p in prefill(pre, prompts)]
+    finals = decode(dec, prompts, params, NEW_TOKENS, pre)
+    assert finals["d0"].token_ids == colocated(tiny_llama, prompts, NEW_TOKENS, **ENGINE)[0]
+    assert dec.get_stats().kv_transfer_failures == 1 and len(pre.connector.leases) == 0
+
+
+def test_a_dead_workers_shared_cache_file_is_removed(tmp_path, monkeypatch):
+    from pdserve.kv_transfer import shm
+    import torch
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    dead = tmp_path / f"{shm.PREFIX}999999999-{'ab' * 16}"   # no such process
+    dead.write_bytes(b"x")
+    path, cache = shm.shared_kv_cache((2, 1, 4, 1, 2), torch.float32)
+    assert not dead.exists() and os.path.exists(path) and cache.abs().sum() == 0
+    shm._unlink(path)
