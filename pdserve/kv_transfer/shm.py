@@ -14,6 +14,7 @@ import uuid
 
 import torch
 
+from pdserve.errors import ConfigError
 from pdserve.kv_transfer.layout import KVLayout
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -21,14 +22,23 @@ PREFIX = "pdserve-kvcache-"
 
 
 def shared_kv_cache(shape: tuple, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
-    """A zeroed tensor backed by a new file in SHM_DIR (removed at exit); (path, tensor)."""
+    """A zeroed tensor backed by a new file in SHM_DIR, readable by this user only (removed at
+    exit; a worker killed without exiting leaves it to the next one to start); (path, tensor)."""
     _remove_stale()
     path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     numel = 1
     for n in shape:
         numel *= n
-    with open(path, "wb") as f:
-        f.truncate(numel * dtype.itemsize)   # a sparse file: pages are allocated (zeroed) on first touch
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)   # this user's only: it holds prompts' KV
+    try:
+        # allocated now: a /dev/shm too small (a container's 64 MiB) fails here, not with SIGBUS later
+        os.posix_fallocate(fd, 0, numel * dtype.itemsize)
+    except OSError as e:
+        os.close(fd)
+        _unlink(path)
+        raise ConfigError(f"--kv-transport shm: cannot allocate the {numel * dtype.itemsize / 2**20:.0f} MiB KV cache "
+                          f"in {SHM_DIR} ({e.strerror}); make it larger, or lower --num-kv-blocks") from None
+    os.close(fd)
     atexit.register(_unlink, path)
     return path, torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 

@@ -204,3 +204,19 @@ def test_a_dead_workers_shared_cache_file_is_removed(tmp_path, monkeypatch):
     path, cache = shm.shared_kv_cache((2, 1, 4, 1, 2), torch.float32)
     assert not dead.exists() and os.path.exists(path) and cache.abs().sum() == 0
     shm._unlink(path)
+
+
+def test_a_shared_memory_too_small_for_the_cache_is_a_clear_error(tmp_path, monkeypatch):
+    import errno
+
+    import torch
+    from pdserve.errors import ConfigError
+    from pdserve.kv_transfer import shm
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ConfigError, match="--num-kv-blocks"):
+        shm.shared_kv_cache((2, 1, 4, 1, 2), torch.float32)
+    assert not list(tmp_path.iterdir())
