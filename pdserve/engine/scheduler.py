@@ -28,6 +28,14 @@ its drafts (cut to the budget), with blocks for all; after the forward, Schedule
 takes the rejected drafts' slots back before mark_computed, so they never count as computed and
 no block holding them joins the prefix cache.
 
+Remote prefill (a decode worker's KV connector, pdserve/kv_transfer/): a waiting request whose
+prompt KV a prefill worker holds is admitted before the others, without budget or seat (in queue
+order, while blocks last; not in a step that preempted): it gets blocks for its whole prompt and waits in `loading` (WAITING_FOR_REMOTE_KVS) while the connector pulls the KV
+into them in the background. When the pull ends it goes to the front of the queue still holding
+its blocks, with num_computed_tokens = the tokens loaded (a failed pull: what was cached here),
+and is admitted as a prefill of the rest (the last prompt token at least). Preempted later, it
+recomputes like any other sequence.
+
 The scheduler has no model: it can be tested with fake sequences and fake sampled tokens."""
 from collections import deque
 from dataclasses import dataclass, field
@@ -70,7 +78,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_prefill_tokens_with_decodes: int = 0, policy: FCFSPolicy | None = None):
+                 max_prefill_tokens_with_decodes: int = 0, policy: FCFSPolicy | None = None, connector=None):
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -79,12 +87,14 @@ class Scheduler:
         self.running: list[Sequence] = []   # in admission order
         self.policy = policy or FCFSPolicy()
         self.now = 0.0   # the time schedule() was called with
+        self.connector = connector   # a KVConnectorBase, or None: no remote KV
+        self.loading: dict[str, Sequence] = {}   # WAITING_FOR_REMOTE_KVS, by request id
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -145,20 +155,31 @@ class Scheduler:
         if prefill_budget is None:
             prefill_budget = self._prefill_budget(out, budget)
         self.policy.order_waiting(self.waiting)
+        if self.connector is not None and not out.preempted:
+            self._park_remote(now)
         while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted):
             seq = self.waiting[0]
-            hits = self.block_manager.find_cached(seq)   # [] with the prefix cache off
-            computed = len(hits) * block_size
-            n = min(seq.num_tokens - computed, budget, prefill_budget)
-            if not self.block_manager.can_allocate(seq, computed + n, hits):
-                break
-            self.waiting.popleft()
+            if seq.block_table:   # its blocks came with it: its prompt KV was pulled (or the pull failed)
+                computed = seq.num_computed_tokens
+                n = min(seq.num_tokens - computed, budget, prefill_budget)
+                if not self.block_manager.try_allocate(seq, computed + n):
+                    break
+                self.waiting.popleft()
+            else:
+                if seq.kv_transfer is not None:   # its KV is remote: it waits for blocks to pull into
+                    break
+                hits = self.block_manager.find_cached(seq)   # [] with the prefix cache off
+                computed = len(hits) * block_size
+                n = min(seq.num_tokens - computed, budget, prefill_budget)
+                if not self.block_manager.can_allocate(seq, computed + n, hits):
+                    break
+                self.waiting.popleft()
+                self.block_manager.admit(seq, computed + n, hits)
             seq.status = SequenceStatus.RUNNING
             seq.prefill_len = seq.num_tokens
             seq.num_computed_tokens = computed
             self.running.append(seq)
-            self.block_manager.admit(seq, computed + n, hits)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
                 seq.metrics.num_cached_tokens = computed
@@ -186,6 +207,38 @@ class Scheduler:
             budget = min(cap, budget)
         return self.policy.prefill_cap(out, budget, self.now)
 
+    def _park_remote(self, now: float) -> None:
+        """Give the waiting requests whose prompt KV is remote their blocks and start their pulls,
+        in queue order, while blocks last: outside budget and seats, which they need only after."""
+        bm = self.block_manager
+        for seq in [s for s in self.waiting if s.kv_transfer is not None and not s.block_table]:
+            hits = bm.find_cached(seq)
+            remote = self.connector.get_num_new_matched_tokens(seq, len(hits) * bm.block_size)
+            if not remote:   # nothing to pull after all: an ordinary prefill
+                continue
+            if not bm.can_allocate(seq, seq.num_prompt_tokens, hits):
+                break
+            self._park(seq, hits, remote, now)
+
+    def _park(self, seq: Sequence, hits: list[int], remote: int, now: float) -> None:
+        """Admit seq to wait for `remote` prompt tokens' KV from a remote worker, holding its blocks."""
+        self.waiting.remove(seq)
+        self.block_manager.admit(seq, seq.num_prompt_tokens, hits)
+        seq.num_computed_tokens = len(hits) * self.block_manager.block_size
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[seq.request_id] = seq
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = now
+            seq.metrics.num_cached_tokens = seq.num_computed_tokens
+        self.connector.update_state_after_alloc(seq, remote)
+
+    def resume_loaded(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """seq's pull ended with its first num_computed_tokens in its blocks: to the front of the queue."""
+        del self.loading[seq.request_id]
+        seq.num_computed_tokens = num_computed_tokens
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: free the blocks, requeue at the front; its tokens are kept."""
         self.running.remove(seq)
@@ -196,12 +249,19 @@ class Scheduler:
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove a sequence for good (finished or aborted) and free its blocks."""
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
+        """Remove a sequence for good (finished or aborted) and free its blocks (free_blocks=False:
+        the caller keeps them). A sequence still loading keeps them until its pull has ended
+        (the connector's result says when): the pull may be writing into them."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        elif seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            del self.loading[seq.request_id]
+            self.connector.cancel(seq)
+            free_blocks = False
+        if free_blocks:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -14,6 +14,7 @@ from pdserve.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"   # holds its blocks while its prompt KV is pulled
     FINISHED = "finished"
 
 
@@ -28,7 +29,7 @@ class Sequence:
                  "logprobs", "argmax_only", "final_only", "stop_ids", "max_len", "generator", "detokenizer", "text",
                  "sent_text_len", "text_tokens", "defer_text", "block_hashes", "num_cached_blocks", "cache_parent",
                  "priority", "stop_token_ids", "min_tokens_banned", "matcher", "draft_token_ids", "draft_computed",
-                 "spec_accepts", "spec_rejects")
+                 "spec_accepts", "spec_rejects", "kv_transfer")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
         self.request_id = request_id
@@ -75,6 +76,8 @@ class Sequence:
         self.draft_token_ids: list[int] = []
         self.draft_computed = 0
         self.spec_accepts = self.spec_rejects = 0.0
+        # decode role: the KVTransferParams of a prompt KV still to pull (None once the pull is noted)
+        self.kv_transfer = None
         # per-request RNG: a seeded request samples the same tokens whatever else is in the batch
         self.generator: torch.Generator | None = None
         # set by the OutputProcessor: generated text so far, and how much of it was streamed
