@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "`pdserve roofline --cost-model --output FILE`")
     g.add_argument("--fit-cost-model", action="store_true",
                    help="fit the model now on this machine for --model and the engine flags (tens of seconds)")
+    g.add_argument("--step-log", metavar="FILE.jsonl", default=None,
+                   help="fit the model on a server's own steps (`pdserve serve --step-log FILE`)")
     g.add_argument("--gpu", choices=("a100", "h100", "h200"), default=None,
                    help="a roofline of this GPU's datasheet rates (a prediction from assumed efficiencies)")
     g.add_argument("--save-cost-model", metavar="FILE.json", default=None, help="with --fit-cost-model: write it")
@@ -59,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "highest rate per machine at which --attainment of requests meet --goodput; --num-prompts "
                         "is then per machine")
     g.add_argument("--machines", default="8", metavar="M[,M...]", help="--search: machine counts (default: 8)")
+    g.add_argument("--search-span", type=float, default=30.0, metavar="S",
+                   help="--search: at least this many seconds of arrivals at each rate tried (default: %(default)s)")
     g.add_argument("--attainment", type=float, default=0.9,
                    help="--search: share of requests that must meet every SLO (default: %(default)s)")
     g.add_argument("--output", default=None, metavar="FILE", help="write the result as JSON")
@@ -72,9 +76,9 @@ def build(args):
     from pdserve.sim.cluster import ReplicaSpec, kv_blocks
 
     chosen = [f for f, on in (("--cost-model", args.cost_model), ("--fit-cost-model", args.fit_cost_model),
-                              ("--gpu", args.gpu)) if on]
+                              ("--step-log", args.step_log), ("--gpu", args.gpu)) if on]
     if len(chosen) != 1:
-        raise ValueError("give one step-time model: --cost-model FILE, --fit-cost-model or --gpu NAME"
+        raise ValueError("give one step-time model: --cost-model FILE, --fit-cost-model, --step-log FILE or --gpu NAME"
                          + (f" (got {' and '.join(chosen)})" if chosen else ""))
     if args.save_cost_model and not args.fit_cost_model:
         raise ValueError("--save-cost-model needs --fit-cost-model")
@@ -110,6 +114,9 @@ def build(args):
                 save(record, args.save_cost_model)
                 print(f"wrote {args.save_cost_model}", file=sys.stderr)
             model, source = costs.StepCostModel.from_dict(record["cost_model"]), "fitted now"
+        elif args.step_log:
+            from pdserve.sim.steplog import fit_step_log
+            model, source = fit_step_log(args.step_log), f"fitted on the steps in {args.step_log}"
         else:
             model, source = costs.load_cost_model(args.cost_model), args.cost_model
         step_time = costs.FittedStepTime(model, source)
@@ -131,6 +138,8 @@ def check_args(args) -> dict:
     if args.search:
         if not slos:
             raise ValueError("--search needs --goodput targets, e.g. --goodput ttft:2000 tpot:150")
+        if not args.search_span > 0:
+            raise ValueError(f"--search-span must be > 0 seconds, got {args.search_span}")
         if not 0 < args.attainment <= 1:
             raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
         try:
@@ -174,12 +183,25 @@ def run(args) -> int:
         per_machine = args.num_prompts or 100
         base = requests if args.trace else None
         start = args.request_rate if math.isfinite(args.request_rate) else 1.0
-        out["search"] = {}
-        for machines in args.machines:
-            reqs = base or workload.bench_workload(args, spec.vocab_size, per_machine * machines, 1.0)
-            rows = search.search(machines, lambda p, rate: simulate(p, workload.rescale(
-                reqs, rate, args.burstiness, args.seed)), args.attainment, start)
+        out["search"], share = {}, None
+
+        def requests_at(machines: int, rate: float):
+            """The workload at this rate: --num-prompts per machine, and at least --search-span
+            seconds of arrivals (a short burst would measure the queue's depth, not the rate)."""
+            if base is not None:
+                return workload.rescale(base, rate, args.burstiness, args.seed)
+            n = max(per_machine * machines, math.ceil(rate * args.search_span))
+            return workload.bench_workload(args, spec.vocab_size, n, rate)
+
+        for machines in sorted(set(args.machines)):
+            rows = search.search(machines, lambda p, rate: simulate(p, requests_at(machines, rate)),
+                                 args.attainment, start, share)
             out["search"][str(machines)] = rows
+            disagg = [r for r in rows if r["prefill"] and r["goodput_per_machine"]]
+            if disagg:   # where the next, larger count looks first (it tries 3 splits there, not all)
+                share = disagg[0]["prefill"] / machines
+            if rows[0]["goodput_per_machine"]:
+                start = rows[0]["goodput_per_machine"]
             print()
             print(report.table(rows, f"{machines} machines: highest rate with >= {args.attainment:.0%} of requests "
                                      f"meeting {' '.join(args.goodput)} (prediction)"))

@@ -5,18 +5,25 @@ from collections.abc import Callable
 
 from pdserve.sim.cluster import Placement
 
-BISECTIONS = 5
+BISECTIONS = 4   # to within 2**(1/16), about 4%
 MAX_DOUBLINGS = 24
 
 
-def placements(machines: int) -> list[Placement]:
-    """Colocated first, then every P + D split (for large M, P on a grid of sixteenths)."""
+def placements(machines: int, prefill_share: float | None = None) -> list[Placement]:
+    """Colocated first, then the P + D splits: every one up to 8 machines; beyond, P on a grid of
+    sixteenths of M, or only the three grid points nearest prefill_share (the best split's P / M
+    at a smaller M, where the search already went through them all)."""
     out = [Placement(replicas=machines)]
-    if machines >= 2:
-        ps = range(1, machines) if machines <= 16 else \
-            sorted({min(machines - 1, max(1, round(machines * k / 16))) for k in range(1, 16)})
-        out += [Placement(prefill=p, decode=machines - p) for p in ps]
-    return out
+    if machines < 2:
+        return out
+    if machines <= 8:
+        ps = range(1, machines)
+    else:
+        grid = sorted({min(machines - 1, max(1, round(machines * k / 16))) for k in range(1, 16)})
+        if prefill_share is not None:
+            grid = sorted(grid, key=lambda p: abs(p / machines - prefill_share))[:3]
+        ps = sorted(grid)
+    return out + [Placement(prefill=p, decode=machines - p) for p in ps]
 
 
 def max_rate(run: Callable[[float], dict], attainment: float, start: float) -> tuple[float, dict] | None:
@@ -51,10 +58,11 @@ def max_rate(run: Callable[[float], dict], attainment: float, start: float) -> t
     return good
 
 
-def search(machines: int, run_at: Callable[[Placement, float], dict], attainment: float, start_per_machine: float):
+def search(machines: int, run_at: Callable[[Placement, float], dict], attainment: float, start_per_machine: float,
+           prefill_share: float | None = None) -> list[dict]:
     """Rows, best first: each placement's highest rate meeting the attainment, and per machine."""
     rows = []
-    for p in placements(machines):
+    for p in placements(machines, prefill_share):
         found = max_rate(lambda rate: run_at(p, rate), attainment, start_per_machine * machines)
         row = {"placement": p.label, "machines": p.machines, "prefill": p.prefill, "decode": p.decode,
                "max_rate": None, "goodput_per_machine": None}
