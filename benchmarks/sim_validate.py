@@ -11,7 +11,7 @@ scheduling and queueing given the step costs; on a machine shared with other wor
 drifts with the load, the second much less). Writes RESULTS/sim/validate.json and a Markdown
 table to stdout.
 
-    python -m benchmarks.sim_validate --quick                      # tiny model, 2 workloads (~2 min)
+    python -m benchmarks.sim_validate --quick                      # tiny model, 2 workloads (~3 min)
     python -m benchmarks.sim_validate --model-05b /work/q05        # and the 0.5B-shaped model
     python -m benchmarks.sim_validate --dry-run                    # the commands only
 
@@ -47,13 +47,13 @@ class Workload:
 def workloads(model_kind: str, quick: bool) -> list[Workload]:
     """Closed loop at concurrency 4, and Poisson arrivals near the engine's capacity."""
     if model_kind == "tiny":
-        n = "24" if quick else "64"
+        n = "12" if quick else "64"
         return [Workload("random 128/64 c4", ("--random-input-len", "128", "--random-output-len", "64",
                                               "--num-prompts", n, "--max-concurrency", "4")),
                 Workload("long-short rate 4", ("--dataset-name", "long-short", "--random-input-len", "64",
                                                "--long-input-len", "768", "--random-output-len", "48",
                                                "--num-prompts", n, "--request-rate", "4"))]
-    n = "8" if quick else "16"
+    n = "6" if quick else "16"
     return [Workload("random 128/32 c4", ("--random-input-len", "128", "--random-output-len", "32",
                                           "--num-prompts", n, "--max-concurrency", "4")),
             Workload("random 256/32 rate 0.5", ("--random-input-len", "256", "--random-output-len", "32",
@@ -108,11 +108,14 @@ def validate_model(label: str, model: str, kind: str, args, out_dir: str) -> lis
     cost_file = os.path.join(out_dir, f"{label}-cost-model.json")
     fit = py + ["simulate", "--fit-cost-model", "--save-cost-model", cost_file, "--model", model, "--num-prompts",
                 "1", *engine_flags]
-    port = servers.free_port()
-    step_log = os.path.join(out_dir, f"{label}-steps.jsonl")
-    server = servers.Server(f"pdserve-{label}", py + ["serve", "--model", model, "--port", str(port),
-                                                      "--log-level", "warning", "--step-log", step_log, *engine_flags],
-                            port, os.path.join(out_dir, f"{label}-server.log"))
+
+    def server_for(tag: str) -> tuple[servers.Server, str]:
+        """A fresh server per workload, so its step log holds that run's steps only."""
+        port, step_log = servers.free_port(), os.path.join(out_dir, f"{tag}-steps.jsonl")
+        cmd = py + ["serve", "--model", model, "--port", str(port), "--log-level", "warning", "--step-log", step_log,
+                    *engine_flags]
+        return servers.Server(f"pdserve-{tag}", cmd, port, os.path.join(out_dir, f"{tag}-server.log")), step_log
+
     rows = []
     for key, dep in DEPLOYMENTS.items():
         if key != "engine":
@@ -123,33 +126,34 @@ def validate_model(label: str, model: str, kind: str, args, out_dir: str) -> lis
         jobs = []
         for w in workloads(kind, args.quick):
             tag = f"{label}-{key}-{w.name.replace(' ', '_').replace('/', '-')}"
+            server, step_log = server_for(tag)
             bench = py + ["bench", "--base-url", server.base_url, "--vocab-size", str(vocab), "--seed", str(SEED),
                           "--num-warmups", "2", "--disable-tqdm", "--output", os.path.join(out_dir, f"{tag}-bench.json"),
                           *w.flags]
             sim = py + ["simulate", "--model", model, "--seed", str(SEED), *dep.sim_flags, *engine_flags, *w.flags]
             sims = {"prior": sim + ["--cost-model", cost_file, "--output", os.path.join(out_dir, f"{tag}-sim.json")],
                     "steps": sim + ["--step-log", step_log, "--output", os.path.join(out_dir, f"{tag}-sim-steps.json")]}
-            jobs.append((w, tag, bench, sims))
+            jobs.append((w, tag, server, step_log, bench, sims))
         if args.dry_run:
             print(" ".join(fit))
-            print(" ".join(server.cmd))
-            for _, _, bench, sims in jobs:
+            for _, _, server, _, bench, sims in jobs:
+                print(" ".join(server.cmd))
                 print("  " + " ".join(bench))
                 for sim in sims.values():
                     print("  " + " ".join(sim))
             continue
         t0 = time.monotonic()
-        if os.path.exists(step_log):
-            os.remove(step_log)   # the server appends
         if run_logged(fit, os.path.join(out_dir, f"{label}-fit.log"), 900):
             raise RuntimeError(f"fitting the cost model failed: see {out_dir}/{label}-fit.log")
         print(f"{label}: cost model fitted ({time.monotonic() - t0:.0f} s)", flush=True)
-        with server.start(timeout=600):
-            for w, tag, bench, _ in jobs:
-                t0 = time.monotonic()
+        for w, tag, server, step_log, bench, _ in jobs:
+            if os.path.exists(step_log):
+                os.remove(step_log)   # the server appends
+            t0 = time.monotonic()
+            with server.start(timeout=600):
                 rc = run_logged(bench, os.path.join(out_dir, f"{tag}-bench.log"), 900)
-                print(f"{label} {w.name}: bench exit {rc} ({time.monotonic() - t0:.0f} s)", flush=True)
-        for w, tag, _, sims in jobs:
+            print(f"{label} {w.name}: bench exit {rc} ({time.monotonic() - t0:.0f} s)", flush=True)
+        for w, tag, _, _, _, sims in jobs:
             predicted = {}
             for name, sim in sims.items():
                 if run_logged(sim, os.path.join(out_dir, f"{tag}-sim-{name}.log"), 900):

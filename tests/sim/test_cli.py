@@ -55,6 +55,13 @@ def test_step_log_fit(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     model = fit_step_log(str(path))
     assert model.predict(100, 1, 0) == pytest.approx(0.012 + 0.1, rel=0.02)
+    # a 50 ms wait before a step that decodes: the engine had work (a starved process), so it counts
+    rows = [json.loads(line) for line in lines]
+    for i, row in enumerate(rows):
+        row["start_time"] += 0.048 * i
+        row["num_decode_tokens"], row["num_seqs"] = 1, 2
+    path.write_text("\n".join(map(json.dumps, rows)) + "\n")
+    assert fit_step_log(str(path)).predict(101, 2, 0) == pytest.approx(0.060 + 0.1, rel=0.02)
     path.write_text('{"start_time": 1}\n')
     with pytest.raises(ValueError, match="step-log"):
         fit_step_log(str(path))
