@@ -88,13 +88,11 @@ def build(args):
     if args.max_model_len is not None and args.max_model_len > limit:
         raise ValueError(f"--max-model-len {args.max_model_len} is more than the model's {limit}")
     max_model_len = min(args.max_model_len or limit, limit)
-    if args.gpu:
-        kwargs["device"] = "cpu"   # (EngineConfig checks the device is here; none is used)
-        itemsize = 4 if args.dtype == "float32" else 2
-    else:
-        itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4   # CPU: auto is float32
-        kwargs["device"] = kwargs["device"] or "cpu"
-    cfg = EngineConfig(**{**kwargs, "device": "cpu"})
+    # the KV cache's dtype, as the engine picks it: auto is float32 on CPU, the checkpoint's on a GPU
+    on_gpu = args.gpu is not None or (args.device or "").startswith("cuda")
+    dtype = args.dtype if args.dtype != "auto" else (model_cfg.torch_dtype or "float32") if on_gpu else "float32"
+    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+    cfg = EngineConfig(**{**kwargs, "device": "cpu"})   # the simulated replicas' flags (no device is used)
     cost = ModelCost.from_config(model_cfg, itemsize)
     bytes_per_block = cost.kv_bytes_per_token * cfg.block_size
     if args.gpu:

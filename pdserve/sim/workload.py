@@ -90,12 +90,15 @@ def load_trace(path: str, vocab_size: int, seed=0) -> list[SimRequest]:
             if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not math.isfinite(arrival) \
                     or arrival < 0:
                 raise ValueError(f"{where}: arrival must be seconds >= 0, got {arrival!r}")
+            priority = row.get("priority", 0)
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise ValueError(f"{where}: priority must be an integer, got {priority!r}")
             targets = [row.get(k) for k in ("ttft_ms", "tpot_ms")]
             if any(t is not None and (not isinstance(t, (int, float)) or t <= 0) for t in targets):
                 raise ValueError(f"{where}: ttft_ms and tpot_ms must be milliseconds > 0")
             reqs.append(SimRequest(float(arrival), ids(_positive_int(row, "prompt_len", where)),
                                    _positive_int(row, "output_len", where), row.get("kind"),
-                                   int(row.get("priority", 0)), *targets))
+                                   priority, *targets))
     if not reqs:
         raise ValueError(f"{path}: no requests")
     reqs.sort(key=lambda r: r.arrival)

@@ -92,6 +92,7 @@ def test_traces(tmp_path):
     for bad, match in (('{"arrival": -1, "prompt_len": 3, "output_len": 1}', "arrival"),
                        ('{"arrival": 0, "prompt_len": 0, "output_len": 1}', "prompt_len"),
                        ('{"arrival": 0, "prompt_len": 2, "output_len": 1.5}', "output_len"),
+                       ('{"arrival": 0, "prompt_len": 2, "output_len": 1, "priority": "high"}', "priority"),
                        ("[1]", "object"), ("{", "not JSON")):
         path.write_text(bad + "\n")
         with pytest.raises(ValueError, match=match):
