@@ -127,18 +127,20 @@ def validate_model(label: str, model: str, kind: str, args, out_dir: str) -> lis
         for w in workloads(kind, args.quick):
             tag = f"{label}-{key}-{w.name.replace(' ', '_').replace('/', '-')}"
             server, step_log = server_for(tag)
-            bench = py + ["bench", "--base-url", server.base_url, "--vocab-size", str(vocab), "--seed", str(SEED),
-                          "--num-warmups", "2", "--disable-tqdm", "--output", os.path.join(out_dir, f"{tag}-bench.json"),
-                          *w.flags]
+            common = py + ["bench", "--base-url", server.base_url, "--vocab-size", str(vocab), "--disable-tqdm"]
+            # the warm-up is a run of its own (other prompts), so the step log can be emptied after it
+            warmup = common + ["--seed", str(SEED + 1), *w.flags, "--num-prompts", "2"]
+            bench = common + ["--seed", str(SEED), "--output", os.path.join(out_dir, f"{tag}-bench.json"), *w.flags]
             sim = py + ["simulate", "--model", model, "--seed", str(SEED), *dep.sim_flags, *engine_flags, *w.flags]
             sims = {"prior": sim + ["--cost-model", cost_file, "--output", os.path.join(out_dir, f"{tag}-sim.json")],
                     "steps": sim + ["--step-log", step_log, "--output", os.path.join(out_dir, f"{tag}-sim-steps.json")]}
-            jobs.append((w, tag, server, step_log, bench, sims))
+            jobs.append((w, tag, server, step_log, (warmup, bench), sims))
         if args.dry_run:
             print(" ".join(fit))
-            for _, _, server, _, bench, sims in jobs:
+            for _, _, server, _, benches, sims in jobs:
                 print(" ".join(server.cmd))
-                print("  " + " ".join(bench))
+                for bench in benches:
+                    print("  " + " ".join(bench))
                 for sim in sims.values():
                     print("  " + " ".join(sim))
             continue
@@ -146,11 +148,14 @@ def validate_model(label: str, model: str, kind: str, args, out_dir: str) -> lis
         if run_logged(fit, os.path.join(out_dir, f"{label}-fit.log"), 900):
             raise RuntimeError(f"fitting the cost model failed: see {out_dir}/{label}-fit.log")
         print(f"{label}: cost model fitted ({time.monotonic() - t0:.0f} s)", flush=True)
-        for w, tag, server, step_log, bench, _ in jobs:
+        for w, tag, server, step_log, (warmup, bench), _ in jobs:
             if os.path.exists(step_log):
                 os.remove(step_log)   # the server appends
             t0 = time.monotonic()
             with server.start(timeout=600):
+                run_logged(warmup, os.path.join(out_dir, f"{tag}-warmup.log"), 900)
+                with open(step_log, "r+") as f:   # the server appends (O_APPEND): it writes on from 0
+                    f.truncate(0)
                 rc = run_logged(bench, os.path.join(out_dir, f"{tag}-bench.log"), 900)
             print(f"{label} {w.name}: bench exit {rc} ({time.monotonic() - t0:.0f} s)", flush=True)
         for w, tag, _, _, _, sims in jobs:
