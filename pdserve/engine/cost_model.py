@@ -140,6 +140,19 @@ class StepCostModel:
         return {**{f"{name}_s": float(v) for name, v in zip(FEATURES, self.coef)},
                 "num_calibration": self.num_calibration, "num_observed": self.num_observed}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepCostModel":
+        """The model as_dict() wrote (its coefficients; the fit's history is not kept)."""
+        missing = [f"{name}_s" for name in FEATURES if f"{name}_s" not in d]
+        if missing:
+            raise ValueError(f"a step cost model needs {', '.join(missing)}")
+        coef = [d[f"{name}_s"] for name in FEATURES]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in coef):
+            raise ValueError(f"step cost model coefficients must be finite numbers >= 0, got {coef}")
+        model = cls(tuple(float(v) for v in coef))
+        model.num_calibration, model.num_observed = int(d.get("num_calibration", 0)), int(d.get("num_observed", 0))
+        return model
+
 
 def calibrate(model: StepCostModel, run_step, shapes: list[tuple[list[int], list[int]]], repeats: int = 2) -> None:
     """Time run_step(num_tokens, contexts) on each shape (one untimed warm-up each), then fit."""

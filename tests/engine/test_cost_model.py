@@ -108,3 +108,15 @@ def test_engine_calibrates_at_start_and_learns_from_every_step(tiny_llama):
         steps += 1
     assert cm.num_observed == steps
     assert LLMEngine(tiny_llama).cost_model is None   # fcfs: nothing calibrated, nothing observed
+
+
+def test_as_dict_round_trips_and_bad_dicts_are_refused():
+    model = StepCostModel(tuple(TRUE))
+    model.num_calibration = 5
+    back = StepCostModel.from_dict(model.as_dict())
+    assert back.coef == pytest.approx(TRUE) and back.num_calibration == 5
+    assert back.predict(100, 3, 5000) == pytest.approx(model.predict(100, 3, 5000))
+    with pytest.raises(ValueError, match="tokens_s"):
+        StepCostModel.from_dict({"intercept_s": 0.01})
+    with pytest.raises(ValueError, match=">= 0"):
+        StepCostModel.from_dict({**model.as_dict(), "seqs_s": -1.0})
