@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve import kernels
+from pdserve.backends.cpu import kernels
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.cost_model import StepCostModel, calibrate, calibration_shapes, step_features

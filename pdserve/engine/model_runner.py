@@ -9,16 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from pdserve import hugepages
+from pdserve.backends.cpu import hugepages
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.grammar import forced_tokens
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.engine.sampler import Sampler
-from pdserve.layers.packed_linear import PackedLinear, pack_model
+from pdserve.backends.cpu.packed_linear import PackedLinear, pack_model
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.loader import embed_module_name, load_model
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.activation import SiluAndMul
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
 from pdserve.layers.attention import PagedAttention, get_attention_metadata
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.merged_linear import MergedLinear

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
 from pdserve.layers.attention import PagedAttention, get_attention_metadata
 from pdserve.layers.merged_linear import MergedLinear
 

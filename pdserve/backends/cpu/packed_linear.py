@@ -10,8 +10,8 @@ dot products, twice the multiply-adds per instruction of fp32 FMAs."""
 import torch
 from torch import nn
 
-from pdserve import hugepages
-from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
+from pdserve.backends.cpu import hugepages
+from pdserve.backends.cpu.kernels import cpu_ops, cpu_supports_bf16_dot
 
 PANEL, TILE = 16, 64   # channels per panel; the kernel works on 4 panels at a time
 _NO_COUNTS = torch.empty(0, dtype=torch.long)   # the screened argmax's per-row candidate counts: not wanted

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from pdserve import kernels
+from pdserve.backends.cpu import kernels
 
 pytestmark = pytest.mark.skipif(kernels.selected_isa() is None, reason="this CPU runs none of the kernels' builds")
 

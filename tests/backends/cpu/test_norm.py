@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
 from pdserve.layers.layernorm import RMSNorm
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")

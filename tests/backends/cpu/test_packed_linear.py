@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
+from pdserve.backends.cpu.kernels import cpu_ops, cpu_supports_bf16_dot
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.layernorm import RMSNorm
-from pdserve.layers.packed_linear import PackedLinear, TiedPackedEmbedding
+from pdserve.backends.cpu.packed_linear import PackedLinear, TiedPackedEmbedding
 from pdserve.layers.rotary import RotaryEmbedding
 from tests.helpers import corpus_prompts, tokens_before_divergence
 

@@ -3,7 +3,7 @@ it on: test_packed_linear.py)."""
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
 from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
