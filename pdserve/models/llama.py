@@ -8,8 +8,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.activation import SiluAndMul
-from pdserve.backends.cpu.kernels import cpu_ops
-from pdserve.layers.attention import PagedAttention, get_attention_metadata
+from pdserve.layers.attention import PagedAttention
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
@@ -72,29 +71,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.stack = None   # the layers as one C++ call (use_stack)
-
-    def use_stack(self) -> None:
-        """Run the layers as one call of kernels/decoder_cpu.cpp: the same kernels in the same order,
-        without the Python between them. Needs packed linears and the attention kernels; the runner
-        calls it once the KV cache is allocated (the stack holds its views). Activations are fp32
-        throughout: with a bf16 model only the weights and the KV cache are bf16."""
-        layers = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            layers.append([layer.input_layernorm.weight.detach().float(), *attn.qkv_proj.stack_tensors(),
-                           *attn.o_proj.stack_tensors(), layer.post_attention_layernorm.weight.detach().float(),
-                           *mlp.gate_up_proj.stack_tensors(), *mlp.down_proj.stack_tensors(), attn.attn.k_cache,
-                           attn.attn.v_cache])
-        attn = self.layers[0].self_attn
-        self.stack = cpu_ops().LlamaStack(layers, self.norm.weight.detach().float(), attn.H, attn.Hkv, attn.D,
-                                          self.layers[0].mlp.down_proj.in_features, self.norm.eps, attn.attn.scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.stack is not None:
-            rope = self.rotary.lookup(positions, torch.float32)
-            return self.stack.forward(x.float().contiguous(), rope.cos, rope.sin, get_attention_metadata().step)
         rope = self.rotary.lookup(positions, x.dtype)   # once per forward, shared by every layer
         residual = None
         for layer in self.layers:
@@ -129,12 +108,5 @@ class LlamaForCausalLM(nn.Module):
         """Flat batch of T tokens -> hidden states (T, hidden)."""
         return self.model(input_ids, positions)
 
-    def use_stack(self) -> None:
-        self.model.use_stack()
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """compute_logits(hidden).argmax(-1), from a PackedLinear lm_head without the logits."""
-        return self.lm_head.argmax(hidden)

@@ -5,8 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
-from pdserve.backends.cpu.kernels import cpu_ops
-from pdserve.layers.attention import PagedAttention, get_attention_metadata
+from pdserve.layers.attention import PagedAttention
 from pdserve.layers.merged_linear import MergedLinear
 
 # OPT's learned position table has two extra leading rows (a fairseq padding convention).
@@ -67,33 +66,14 @@ class OPTDecoder(nn.Module):
         self.final_layer_norm = (nn.LayerNorm(cfg.hidden_size, elementwise_affine=cfg.raw.get(
             "layer_norm_elementwise_affine", True)) if has_final else None)
         self.layers = nn.ModuleList(OPTDecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.stack = None   # the layers as one C++ call (use_stack)
-
-    def use_stack(self) -> None:
-        """The layers as one call of kernels/decoder_cpu.cpp (see LlamaModel.use_stack)."""
-        def norm(m):
-            return [torch.empty(0) if t is None else t.detach().float() for t in (m.weight, m.bias)]
-        layers = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            layers.append([*norm(layer.self_attn_layer_norm), *attn.qkv_proj.stack_tensors(),
-                           *attn.out_proj.stack_tensors(), *norm(layer.final_layer_norm), *layer.fc1.stack_tensors(),
-                           *layer.fc2.stack_tensors(), attn.attn.k_cache, attn.attn.v_cache])
-        first = self.layers[0]
-        self.stack = cpu_ops().OptStack(layers, first.self_attn.H, first.self_attn.D, first.fc1.out_features,
-                                        first.pre_ln, first.act_name, first.final_layer_norm.eps,
-                                        first.self_attn.attn.scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.embed_positions(positions + POSITION_OFFSET)
-        if self.stack is not None:   # fp32 inside; the final norm and project_out in the model's dtype
-            x = self.stack.forward(x.float().contiguous(), get_attention_metadata().step).to(x.dtype)
-        else:
-            for layer in self.layers:
-                x = layer(x)
+        for layer in self.layers:
+            x = layer(x)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
@@ -131,12 +111,5 @@ class OPTForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.decoder(input_ids, positions)
 
-    def use_stack(self) -> None:
-        self.model.decoder.use_stack()
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """compute_logits(hidden).argmax(-1), from a PackedLinear lm_head without the logits."""
-        return self.lm_head.argmax(hidden)

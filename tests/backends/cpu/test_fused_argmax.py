@@ -116,8 +116,8 @@ def _count_logits(llm):
 def test_runner_takes_greedy_tokens_without_logits(make_tiny, arch):
     path = make_tiny(arch)
     fused, plain = LLM(path), LLM(path)
-    plain.engine.runner.fused_argmax = False
-    assert fused.engine.runner.fused_argmax
+    plain.engine.runner.backend.fused_argmax = False
+    assert fused.engine.runner.backend.fused_argmax
     calls = _count_logits(fused)
     prompts = corpus_prompts(fused.tokenizer, lens=[3, 30, 90])
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
