@@ -2,7 +2,9 @@
 
 RMSNorm, RoPE, SwiGLU, grouped-query attention. Module names mirror the HF checkpoints so that
 loading is a name match, except q/k/v and gate/up: each is one MergedLinear, filled shard by shard
-(`stacked_params`)."""
+(`stacked_params`). A Llama-like family is a subclass here (another `norm_class`, its own
+config_fields) and one entry in models/__init__.py: decoder_spec() tells the backends what its
+layers compute."""
 import torch
 from torch import nn
 
@@ -12,6 +14,7 @@ from pdserve.layers.attention import PagedAttention
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+from pdserve.models.decoder_spec import DecoderSpec
 
 
 class LlamaAttention(nn.Module):
@@ -46,12 +49,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, norm=RMSNorm):
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
         self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None):
         """x: the previous layer's output, not yet added to the residual stream (None before the
@@ -65,12 +68,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, norm=RMSNorm):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, norm) for _ in range(cfg.num_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -86,6 +89,8 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     embed_module = "model.embed_tokens"
+    # a norm(dim, eps) called as norm(x) or norm(x, residual) -> (norm of x + residual, x + residual)
+    norm_class = RMSNorm
 
     @staticmethod
     def config_fields(raw: dict) -> dict:
@@ -99,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, self.norm_class)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -107,6 +112,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat batch of T tokens -> hidden states (T, hidden)."""
         return self.model(input_ids, positions)
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The layers' recipe (models/decoder_spec.py): pre-norm, RoPE, SwiGLU, the final norm."""
+        return DecoderSpec(layers="model.layers", attn_norm="input_layernorm", qkv="self_attn.qkv_proj",
+                           attention="self_attn.attn", o="self_attn.o_proj", mlp_norm="post_attention_layernorm",
+                           up="mlp.gate_up_proj", down="mlp.down_proj", activation="silu_and_mul",
+                           rotary="model.rotary", final_norm="model.norm")
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first layer's input (for a backend that runs the layers itself)."""
+        return self.model.embed_tokens(input_ids)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states from the layers' output (the final norm is in the recipe)."""
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -7,6 +7,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.layers.attention import PagedAttention
 from pdserve.layers.merged_linear import MergedLinear
+from pdserve.models.decoder_spec import DecoderSpec
 
 # OPT's learned position table has two extra leading rows (a fairseq padding convention).
 POSITION_OFFSET = 2
@@ -67,18 +68,26 @@ class OPTDecoder(nn.Module):
             "layer_norm_elementwise_affine", True)) if has_final else None)
         self.layers = nn.ModuleList(OPTDecoderLayer(cfg) for _ in range(cfg.num_layers))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.project_in is not None:
             x = self.project_in(x)
-        x = x + self.embed_positions(positions + POSITION_OFFSET)
-        for layer in self.layers:
-            x = layer(x)
+        return x + self.embed_positions(positions + POSITION_OFFSET)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and project_out after the layers, in the model's dtype."""
+        x = x.to(self.embed_positions.weight.dtype)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
         return x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids, positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.finish(x)
 
 
 class OPTModel(nn.Module):
@@ -110,6 +119,22 @@ class OPTForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.decoder(input_ids, positions)
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The layers' recipe (models/decoder_spec.py): pre-LN (125m) or post-LN (350m), no RoPE (the
+        positions are in the embedding); the final norm and project_out stay in finish()."""
+        first = self.model.decoder.layers[0]
+        return DecoderSpec(layers="model.decoder.layers", attn_norm="self_attn_layer_norm", qkv="self_attn.qkv_proj",
+                           attention="self_attn.attn", o="self_attn.out_proj", mlp_norm="final_layer_norm", up="fc1",
+                           down="fc2", activation=first.act_name, norm_position="pre" if first.pre_ln else "post")
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first layer's input (for a backend that runs the layers itself)."""
+        return self.model.decoder.embed(input_ids, positions)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states from the last layer's output."""
+        return self.model.decoder.finish(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

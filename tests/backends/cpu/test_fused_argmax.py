@@ -137,7 +137,7 @@ def test_bf16_model_without_the_stack_keeps_the_sampler(tiny_llama):
     sampler sees are rounded, so the fused fp32 argmax is not taken."""
     llm = LLM(tiny_llama, dtype="bfloat16")
     runner = llm.engine.runner
-    runner.model.model.stack = None   # the Python layers: bf16 hidden rows
+    runner.backend.stack = None   # the Python layers: bf16 hidden rows
     calls = _count_logits(llm)
     llm.generate(corpus_prompts(llm.tokenizer, lens=[5]), SamplingParams(max_tokens=3, temperature=0))
     assert len(calls) == 3

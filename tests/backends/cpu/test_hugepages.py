@@ -1,4 +1,4 @@
-"""The packed weights and the KV cache are marked for huge pages (pdserve/hugepages.py)."""
+"""The packed weights and the KV cache are marked for huge pages (pdserve/backends/cpu/hugepages.py)."""
 import ctypes
 import mmap
 import sys

@@ -1,5 +1,5 @@
-// The decoder stacks of Llama-family models (Llama, Qwen2, Mistral) and OPT for one engine step,
-// each in one call. Why: the same kernels and ops in the same order as the Python modules
+// A decoder's layers for one engine step in one call, after the recipe its model declares (Llama,
+// Qwen2, Mistral, OPT, ...). Why: the same kernels and ops in the same order as the Python modules
 // (pdserve/models/llama.py, opt.py), but without ~25 module calls and ~20 torch ops per layer
 // between them, each run cold after the weight stream has flushed the caches: ~10% of a batch-1
 // decode step of the 0.5B model. And the whole forward runs without the GIL, so the server's
@@ -7,6 +7,7 @@
 // bf16 weights (read by the AVX512-BF16 kernel, which takes bf16 rows, where the build has it) and a bf16 KV cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstring>
 #include "decoder.h"
 #include "ops.h"
@@ -36,7 +37,7 @@ void add_bias(torch::Tensor& y, const torch::Tensor& bias) {
   });
 }
 
-// A PackedLinear's forward (layers/packed_linear.py) for fp32 activations: k-pair panels (32
+// A PackedLinear's forward (backends/cpu/packed_linear.py) for fp32 activations: k-pair panels (32
 // wide) take the rows in bf16.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                      const torch::Tensor& bias, int64_t n) {
@@ -77,12 +78,50 @@ void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (T, hidden) fp32");
 }
 
-void check_layers(const std::vector<std::vector<torch::Tensor>>& layers, size_t n) {
-  for (const auto& l : layers) TORCH_CHECK(l.size() == n, "each layer needs ", n, " tensors, got ", l.size());
+// The layer's tensor `name`, or an empty tensor where it has none and may.
+torch::Tensor take(const std::map<std::string, torch::Tensor>& t, const std::string& name, bool required) {
+  auto it = t.find(name);
+  TORCH_CHECK_VALUE(it != t.end() || !required, "the decoder stack needs the tensor ", name);
+  return it == t.end() ? torch::Tensor() : it->second;
 }
 
-std::optional<torch::Tensor> maybe(const torch::Tensor& t) {
-  return t.numel() ? std::optional<torch::Tensor>(t) : std::nullopt;
+torch::Tensor fp32_vector(const torch::Tensor& t, int64_t n, const std::string& name) {
+  if (!t.defined() || t.numel() == 0) return torch::Tensor();
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+                    " must be a contiguous fp32 vector of ", n);
+  return t;
+}
+
+// A linear of `k` inputs and `n` outputs: 16-channel panels (N/16, K, 16), or k-pair panels
+// (N/16, K/2, 32) of bf16 (packed_linear.py's layouts).
+StackLinear take_linear(const std::map<std::string, torch::Tensor>& t, const std::string& name, int64_t k, int64_t n) {
+  StackLinear l{take(t, name + ".packed", true), take(t, name + ".scale", false), take(t, name + ".bias", false), n};
+  const auto& p = l.packed;
+  TORCH_CHECK_VALUE(p.dim() == 3 && (p.size(2) == 16 || (p.size(2) == 32 && p.scalar_type() == at::kBFloat16)),
+                    name, ".packed is not a packed weight");
+  const int64_t inputs = p.size(2) == 32 ? 2 * p.size(1) : p.size(1);
+  TORCH_CHECK_VALUE(inputs == k && p.size(0) * 16 >= n, name, " must take ", k, " inputs to ", n, " outputs, got ",
+                    inputs, " to ", p.size(0) * 16);
+  if (!l.scale.defined()) l.scale = torch::empty({0});
+  TORCH_CHECK_VALUE(l.scale.numel() == 0 || l.scale.numel() == p.size(0) * 16, name, ".scale has ", l.scale.numel(),
+                    " channels");
+  l.bias = fp32_vector(l.bias, n, name + ".bias");
+  if (!l.bias.defined()) l.bias = torch::empty({0});
+  return l;
+}
+
+StackNorm take_norm(const std::map<std::string, torch::Tensor>& t, const std::string& prefix, bool rms, int64_t n) {
+  StackNorm m{fp32_vector(take(t, prefix + "weight", rms), n, prefix + "weight"),
+              fp32_vector(take(t, prefix + "bias", false), n, prefix + "bias")};
+  TORCH_CHECK_VALUE(!rms || (m.weight.defined() && !m.bias.defined()), "an RMSNorm has a weight and no bias (",
+                    prefix, ")");
+  return m;
+}
+
+void check_names(const std::map<std::string, torch::Tensor>& t, const std::vector<std::string>& known) {
+  for (const auto& [name, _] : t)
+    TORCH_CHECK_VALUE(std::find(known.begin(), known.end(), name) != known.end(), "the decoder stack takes no tensor ",
+                      name);
 }
 
 }  // namespace
@@ -141,70 +180,105 @@ AttentionStep AttentionStep::from_buffer(const torch::Tensor& buf, int64_t offse
   return s;
 }
 
-LlamaStack::LlamaStack(std::vector<std::vector<torch::Tensor>> layers, torch::Tensor final_norm, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale)
-    : layers_(std::move(layers)), final_norm_(std::move(final_norm)), H_(num_heads), Hkv_(num_kv_heads),
-      D_(head_dim), I_(intermediate_size), eps_(eps), scale_(scale) {
-  check_layers(layers_, kLlamaTensors);
+DecoderStack::DecoderStack(const std::vector<std::map<std::string, torch::Tensor>>& layers,
+                           const std::map<std::string, torch::Tensor>& final_norm, bool has_final_norm,
+                           std::string norm, std::string norm_position, bool rotary, std::string activation,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
+                           double eps, double scale)
+    : has_final_norm_(has_final_norm), rms_(norm == "rms"), pre_norm_(norm_position == "pre"), rotary_(rotary),
+      act_(std::move(activation)), H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate_size),
+      eps_(eps), scale_(scale) {
+  TORCH_CHECK_VALUE(norm == "rms" || norm == "layer", "norm must be rms or layer, got ", norm);
+  TORCH_CHECK_VALUE(pre_norm_ || norm_position == "post", "norm_position must be pre or post, got ", norm_position);
+  TORCH_CHECK_VALUE(act_ == "silu_and_mul" || act_ == "relu" || act_ == "gelu" || act_ == "silu",
+                    "activation must be silu_and_mul, relu, gelu or silu, got ", act_);
+  TORCH_CHECK_VALUE(pre_norm_ || !has_final_norm_, "a post-norm stack has no final norm");
+  TORCH_CHECK_VALUE(!layers.empty() && H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && I_ > 0, "bad decoder sizes");
+  const auto& qkv = take(layers[0], "qkv.packed", true);
+  hidden_ = qkv.dim() == 3 ? (qkv.size(2) == 32 ? 2 * qkv.size(1) : qkv.size(1)) : 0;
+  const std::vector<std::string> known = {
+      "attn_norm.weight", "attn_norm.bias", "mlp_norm.weight", "mlp_norm.bias", "qkv.packed", "qkv.scale",
+      "qkv.bias", "o.packed", "o.scale", "o.bias", "up.packed", "up.scale", "up.bias", "down.packed",
+      "down.scale", "down.bias", "k_cache", "v_cache"};
+  for (const auto& t : layers) {
+    check_names(t, known);
+    StackLayer l;
+    l.attn_norm = take_norm(t, "attn_norm.", rms_, hidden_);
+    l.mlp_norm = take_norm(t, "mlp_norm.", rms_, hidden_);
+    l.qkv = take_linear(t, "qkv", hidden_, (H_ + 2 * Hkv_) * D_);
+    l.o = take_linear(t, "o", H_ * D_, hidden_);
+    l.up = take_linear(t, "up", hidden_, act_ == "silu_and_mul" ? 2 * I_ : I_);
+    l.down = take_linear(t, "down", I_, hidden_);
+    l.k_cache = take(t, "k_cache", true);
+    l.v_cache = take(t, "v_cache", true);
+    for (const auto& c : {l.k_cache, l.v_cache})
+      TORCH_CHECK_VALUE(c.dim() == 3 && c.size(1) == Hkv_ && c.size(2) == D_ && c.is_contiguous() &&
+                        (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16),
+                        "a KV cache view must be (slots, ", Hkv_, ", ", D_, ") fp32 or bf16");
+    layers_.push_back(std::move(l));
+  }
+  check_names(final_norm, {"weight", "bias"});
+  if (has_final_norm_) final_norm_ = take_norm(final_norm, "", rms_, hidden_);
+  TORCH_CHECK_VALUE(has_final_norm_ || final_norm.empty(), "final-norm tensors given for a stack without one");
 }
 
-torch::Tensor LlamaStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const AttentionStep& step) {
+// The norm of fp32 rows x (a new tensor).
+torch::Tensor DecoderStack::norm(const torch::Tensor& x, const StackNorm& n) const {
+  if (rms_) return rms_norm(x, n.weight, eps_);
+  auto maybe = [](const torch::Tensor& t) { return t.defined() ? std::optional<torch::Tensor>(t) : std::nullopt; };
+  return at::layer_norm(x, {hidden_}, maybe(n.weight), maybe(n.bias), eps_);
+}
+
+// residual += x; returns the norm of the sum (RMSNorm in place in x: x is this step's scratch).
+torch::Tensor DecoderStack::add_norm(torch::Tensor& x, torch::Tensor& residual, const StackNorm& n) const {
+  if (rms_) {
+    fused_add_rms_norm(x, residual, n.weight, eps_);
+    return x;
+  }
+  residual.add_(x);
+  return norm(residual, n);
+}
+
+torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const AttentionStep& step) {
   check_x(x);
-  const int64_t T = x.size(0), H = H_, Hkv = Hkv_, D = D_, hidden = x.size(1);
+  TORCH_CHECK(x.size(1) == hidden_, "x must have rows of ", hidden_);
+  const int64_t T = x.size(0), H = H_, Hkv = Hkv_, D = D_;
   torch::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& w = layers_[i];
-    // LlamaDecoderLayer: norm (adding the previous layer's output to the stream), attention, norm, MLP
-    if (i == 0) {
-      residual = x;
-      x = rms_norm(x, w[kInputNorm], eps_);
-    } else {
-      fused_add_rms_norm(x, residual, w[kInputNorm], eps_);
+    // pre-norm (Llama, OPT-125m): the norm of the stream before each block, the block's output
+    // added at the next norm; post-norm (OPT-350m): x = norm(x + block(x)) after each block
+    torch::Tensor h = x;
+    if (pre_norm_) {
+      if (i == 0) {
+        residual = x;
+        h = norm(x, w.attn_norm);
+      } else {
+        h = add_norm(x, residual, w.attn_norm);
+      }
     }
-    auto qkv = linear(x, w[kQkv], w[kQkvScale], w[kQkvBias], (H + 2 * Hkv) * D);
+    auto qkv = linear(h, w.qkv.packed, w.qkv.scale, w.qkv.bias, w.qkv.n);
     auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
     auto k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
     auto v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
-    rotary_embedding(q, k, cos, sin);
-    auto o = linear(attention(q, k, v, w[kKeyCache], w[kValueCache], step, scale_), w[kO], w[kOScale], w[kOBias], hidden);
-    fused_add_rms_norm(o, residual, w[kPostNorm], eps_);
-    auto act = silu_and_mul(linear(o, w[kGateUp], w[kGateUpScale], w[kGateUpBias], 2 * I_));
-    x = linear(act, w[kDown], w[kDownScale], w[kDownBias], hidden);
+    if (rotary_) rotary_embedding(q, k, cos, sin);
+    auto o = linear(attention(q, k, v, w.k_cache, w.v_cache, step, scale_), w.o.packed, w.o.scale, w.o.bias, w.o.n);
+    if (pre_norm_) {
+      h = add_norm(o, residual, w.mlp_norm);
+    } else {
+      x = norm(x + o, w.attn_norm);
+      h = x;
+    }
+    auto u = linear(h, w.up.packed, w.up.scale, w.up.bias, w.up.n);
+    u = act_ == "silu_and_mul" ? silu_and_mul(u) : act_ == "relu" ? at::relu(u) : act_ == "gelu" ? at::gelu(u)
+                                                                                              : at::silu(u);
+    auto d = linear(u, w.down.packed, w.down.scale, w.down.bias, w.down.n);
+    x = pre_norm_ ? d : norm(x + d, w.mlp_norm);
   }
-  fused_add_rms_norm(x, residual, final_norm_, eps_);
-  return x;
-}
-
-OptStack::OptStack(std::vector<std::vector<torch::Tensor>> layers, int64_t num_heads, int64_t head_dim,
-                   int64_t ffn_dim, bool pre_layer_norm, std::string activation, double eps, double scale)
-    : layers_(std::move(layers)), H_(num_heads), D_(head_dim), F_(ffn_dim), pre_ln_(pre_layer_norm),
-      act_(std::move(activation)), eps_(eps), scale_(scale) {
-  check_layers(layers_, kOptTensors);
-  TORCH_CHECK(act_ == "relu" || act_ == "gelu" || act_ == "silu", "unsupported activation ", act_);
-}
-
-torch::Tensor OptStack::forward(torch::Tensor x, const AttentionStep& step) {
-  check_x(x);
-  const int64_t T = x.size(0), H = H_, D = D_, hidden = x.size(1);
-  for (auto& w : layers_) {
-    // OPTDecoderLayer: pre-LN (125m) norms before each block, post-LN (350m) after each residual add
-    auto norm = [&](const torch::Tensor& t, int weight, int bias) {
-      return at::layer_norm(t, {hidden}, maybe(w[weight]), maybe(w[bias]), eps_);
-    };
-    auto qkv = linear(pre_ln_ ? norm(x, kAttnNormW, kAttnNormB) : x, w[kOptQkv], w[kOptQkvScale], w[kOptQkvBias],
-                      3 * H * D);
-    auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
-    auto k = qkv.narrow(1, H * D, H * D).view({T, H, D});
-    auto v = qkv.narrow(1, 2 * H * D, H * D).view({T, H, D});
-    x = x + linear(attention(q, k, v, w[kOptKeyCache], w[kOptValueCache], step, scale_), w[kOut], w[kOutScale],
-                   w[kOutBias], hidden);
-    if (!pre_ln_) x = norm(x, kAttnNormW, kAttnNormB);
-    auto h = linear(pre_ln_ ? norm(x, kFinalNormW, kFinalNormB) : x, w[kFc1], w[kFc1Scale], w[kFc1Bias], F_);
-    h = act_ == "relu" ? at::relu(h) : act_ == "gelu" ? at::gelu(h) : at::silu(h);
-    x = x + linear(h, w[kFc2], w[kFc2Scale], w[kFc2Bias], hidden);
-    if (!pre_ln_) x = norm(x, kFinalNormW, kFinalNormB);
-  }
-  return x;
+  if (!pre_norm_) return x;
+  if (has_final_norm_) return add_norm(x, residual, final_norm_);
+  residual.add_(x);
+  return residual;
 }
 
 }  // namespace pdserve
