@@ -14,7 +14,7 @@ COMMANDS = {
     "report": ("pdserve.bench.report", "plot benchmark results and engine step logs"),
     "roofline": ("pdserve.bench.roofline", "measure this machine's limits and the model's phases against them"),
     "simulate": ("pdserve.sim.cli", "predict latency and goodput of replicas or prefill/decode pools (simulator)"),
-    "build-kernels": ("pdserve.kernels.build", "compile the CPU kernels now instead of on first use"),
+    "build-kernels": ("pdserve.backends.cpu.kernels.build", "compile the CPU kernels now instead of on first use"),
 }
 # Errors a user can act on: printed as one line, exit status 2. OSError: a file that is not there.
 USER_ERRORS = (CheckpointError, ConfigError, RequestError, OSError)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pdserve import kernels
+from pdserve.backends.cpu import kernels
 from tools.make_model import make_model
 
 # The kernels' builds the tests run: each this CPU executes (an AVX-512 machine runs the AVX2 build

@@ -4,7 +4,7 @@ import functools
 import torch
 
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
+from pdserve.layers.attention import attention_context, build_metadata
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling_params import SamplingParams
 
@@ -96,7 +96,9 @@ def attention_torch_and_kernels(H, Hkv, D, block_size, window, dtype, q_lens, ct
         nb = -(-n // block_size)
         tables.append(perm[used:used + nb])
         used += nb
-    layer = PagedAttention(H, Hkv, D, scale=D ** -0.5)
+    from pdserve.backends.cpu.layers import CpuPagedAttention
+    from pdserve.backends.cpu.metadata import build_step_metadata
+    layer = CpuPagedAttention(H, Hkv, D, scale=D ** -0.5)
     cache = torch.randn(2, num_blocks * block_size, Hkv, D).to(dtype)
     layer.k_cache, layer.v_cache = cache[0], cache[1]
     T = sum(q_lens)
@@ -109,9 +111,12 @@ def attention_torch_and_kernels(H, Hkv, D, block_size, window, dtype, q_lens, ct
     groups = [[i for i, ql in enumerate(q_lens) if ql == 1], [i for i, ql in enumerate(q_lens) if ql > 1]]
 
     def run(with_mask):
-        _, meta = build_metadata([slots], [([q_lens[i] for i in g], [starts[i] for i in g], [ctx_lens[i] for i in g],
-                                            [tables[i] for i in g]) for g in groups if g],
-                                 block_size, window, "cpu", with_mask=with_mask)
+        step_groups = [([q_lens[i] for i in g], [starts[i] for i in g], [ctx_lens[i] for i in g],
+                        [tables[i] for i in g]) for g in groups if g]
+        if with_mask:
+            _, meta = build_metadata([slots], step_groups, block_size, window, "cpu")
+        else:
+            _, meta = build_step_metadata([slots], step_groups, block_size, window)
         # a C++ step is what sends the groups to the kernels (the layer has no other path for it)
         assert (meta.step is None) == with_mask and (not meta.groups) == (not with_mask)
         with attention_context(meta):

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve import hugepages
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu import hugepages
+from pdserve.backends.cpu.kernels import cpu_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

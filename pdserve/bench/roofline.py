@@ -232,6 +232,7 @@ def run(args) -> int:
 
     print(f"machine: {machine_limits.cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     engine = LLMEngine(**kwargs)
+    print(f"backend: {engine.runner.backend.describe()}")
     dtype = str(engine.runner.dtype).removeprefix("torch.")
     probe_args = (args.quick, ["float32", "bfloat16", dtype], max(repeats, 3))
     limits = machine_limits.measure(*probe_args)

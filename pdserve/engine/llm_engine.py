@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve import kernels
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.cost_model import StepCostModel, calibrate, calibration_shapes, step_features
@@ -43,8 +42,9 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.runner = ModelRunner(self.model_config, self.config, self.max_model_len, self.tokenizer.eos_token_ids)
         if self.config.device == "cpu":
-            path = kernels.kernel_path() if self.runner.weight_format != "torch" else "torch ops"
-            logger.info("CPU: %d threads, %s, weights %s", torch.get_num_threads(), path, self.runner.weight_format)
+            logger.info("CPU: %d threads; %s", torch.get_num_threads(), self.runner.backend.describe())
+        else:
+            logger.info("%s", self.runner.backend.describe())
         c = self.config
         # the cache namespace: besides tokens and cache_salt, what makes a block's K/V what it is
         namespace = (str(self.runner.dtype), c.quantization)

@@ -1,27 +1,23 @@
 """Owns the model, the paged KV cache and the sampler; runs one step's flat batch.
 
 prepare() turns the scheduler's output into flat input_ids/positions, the slot mapping and the
-attention groups; execute() runs one forward under the attention context, computes logits only
-for the sequences whose scheduled tokens reach their end (a finished prefill or a decode), and
-samples their next tokens."""
+attention groups; execute() runs one forward, computes logits only for the sequences whose
+scheduled tokens reach their end (a finished prefill or a decode), and samples their next tokens.
+How the model runs on the device (weights' layout, attention metadata, forward, argmax) is the
+backend's (pdserve/backends/), chosen once at start."""
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from pdserve import hugepages
+from pdserve.backends import select_backend
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.grammar import forced_tokens
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.kernels import cpu_ops
 from pdserve.kv_transfer.shm import shared_kv_cache
-from pdserve.layers.activation import SiluAndMul
-from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
-from pdserve.layers.layernorm import RMSNorm
+from pdserve.layers.attention import PagedAttention
 from pdserve.engine.sampler import Sampler
-from pdserve.layers.packed_linear import PackedLinear, pack_model
-from pdserve.layers.rotary import RotaryEmbedding
-from pdserve.loader import embed_module_name, load_model
+from pdserve.loader import load_model
 from pdserve.spec_decode import rejection
 
 DEFAULT_KV_CACHE_CAP = 4 << 30  # bytes, when neither --num-kv-blocks nor --kv-cache-memory is given
@@ -35,40 +31,21 @@ class ModelRunner:
         self.dtype = config.torch_dtype(model_config)
         self.block_size = config.block_size
         self.model = load_model(model_config, self.dtype, config.device)
-        self.weight_format = self._pack_linears()
-        # attention groups then skip their mask and run kernels/attention_cpu.cpp (decode) and
-        # kernels/prefill_attention_cpu.cpp (prefill), for the head sizes they have
-        self.attention_kernels = self.weight_format != "torch" and model_config.head_dim in (16, 32, 64, 96, 128)
+        self.backend = select_backend(model_config, config, self.dtype)
+        self.backend.prepare_model(self.model)
         self.num_blocks = self._num_blocks(max_model_len)
         self._allocate_kv_cache()
-        if self.attention_kernels:
-            self.model.use_stack()   # the layers as one C++ call (kernels/decoder_cpu.cpp)
+        self.backend.attach_cache(self.model)
         self.sampler = Sampler(eos_token_ids, self.device, config.seed)
-        # A batch whose every sequence only takes the argmax (Sequence.argmax_only) gets its tokens
-        # from the packed lm_head's fused argmax: the logits (batch x vocab floats) are never made.
-        # Off (fused_argmax = False) the sampler takes the same argmax of the logits.
-        self.fused_argmax = isinstance(self.model.lm_head, PackedLinear)
         self.sliding_window = model_config.sliding_window
         self.last_forward_time = 0.0
         self.last_times: dict[str, float] = {}
         self._masks: ThreadPoolExecutor | None = None   # started by the first constrained request
 
-    def _pack_linears(self) -> str:
-        """Swap the linears onto the CPU packed kernel where it helps and builds; the format used."""
-        c = self.config
-        if self.device.type != "cpu" or c.cpu_kernels is False or self.dtype == torch.float16:
-            return "torch"
-        if cpu_ops() is None:
-            if c.cpu_kernels or c.quantization:
-                raise RuntimeError("pdserve's CPU kernels could not be built (see the warning above)")
-            return "torch"
-        fmt = c.quantization or ("bf16" if self.dtype == torch.bfloat16 else "fp32")
-        embed = embed_module_name(self.model_config) if self.model_config.tie_word_embeddings else None
-        pack_model(self.model, fmt, embed)
-        for m in self.model.modules():
-            if isinstance(m, (SiluAndMul, RMSNorm, RotaryEmbedding)):
-                m.use_kernel = True
-        return fmt
+    @property
+    def weight_format(self) -> str:
+        """The linears' weights: "torch" (the modules' own) or the CPU backend's packed fp32|bf16|int8."""
+        return self.backend.weight_format
 
     @property
     def bytes_per_block(self) -> int:
@@ -97,8 +74,8 @@ class ModelRunner:
         if self.config.role == "prefill" and self.config.kv_transport == "shm" and self.device.type == "cpu":
             # in a /dev/shm file that decode workers on this host map (pdserve/kv_transfer/shm.py)
             self.kv_cache_file, self.kv_cache = shared_kv_cache(shape, self.dtype)
-        else:   # marked for huge pages before zeroing touches it (pdserve/hugepages.py; a no-op off CPU)
-            self.kv_cache = hugepages.empty(*shape, dtype=self.dtype, device=self.device).zero_()
+        else:
+            self.kv_cache = self.backend.allocate_kv_cache(shape, self.dtype, self.device)
         layers = [mod for mod in self.model.modules() if isinstance(mod, PagedAttention)]
         assert len(layers) == m.num_layers
         for i, layer in enumerate(layers):
@@ -135,9 +112,9 @@ class ModelRunner:
                 sample_seqs.append(seq)
             elif first + n > seq.num_tokens:   # verifying drafts: logits at all n rows
                 verify.append((seq, start, n))
-        (input_ids_t, positions_t, _), meta = build_metadata(
+        (input_ids_t, positions_t, _), meta = self.backend.build_metadata(
             [input_ids, positions, slots], [g for g in groups.values() if g[0]], bs, self.sliding_window,
-            self.device, with_mask=not self.attention_kernels)
+            self.device)
         return input_ids_t, positions_t, meta, logit_rows, sample_seqs, verify
 
     @torch.inference_mode()
@@ -150,22 +127,24 @@ class ModelRunner:
         matchers = [s.matcher for s in sample_seqs if s.matcher is not None]
         masks = self._mask_pool().submit(self.sampler.grammars.fill_masks, matchers) if matchers else None
         t1 = self._now()
-        with attention_context(meta):
-            hidden = self.model(input_ids, positions)
+        hidden = self.backend.forward(self.model, input_ids, positions, meta)
         verified = self._verify(hidden, verify) if verify else []
         logits = tokens = None
         forced: dict[int, int] = {}
         if logit_rows:   # every row samples in a step of decodes only: no gather then
             hidden = hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows]
-            # fp32 rows only: a bf16 model's logits without the decoder stack are rounded to bf16 first
-            if self.fused_argmax and hidden.dtype == torch.float32 and all(s.argmax_only for s in sample_seqs):
-                tokens = self.model.compute_argmax(hidden)   # greedy: the tokens, without the logits
+            # A batch whose every sequence only takes the argmax (Sequence.argmax_only) gets its tokens
+            # from the backend's fused argmax (the CPU's packed lm_head): the logits (batch x vocab
+            # floats) are never made. fp32 rows only: a bf16 model's logits without the decoder
+            # stack are rounded to bf16 first. Off (fused_argmax False) the sampler takes the same argmax.
+            if self.backend.fused_argmax and hidden.dtype == torch.float32 and all(s.argmax_only for s in sample_seqs):
+                tokens = self.backend.argmax(self.model, hidden)   # greedy: the tokens, without the logits
             else:
                 if masks is not None:
                     masks, forced = self._forced(sample_seqs, masks)
                 rows = [i for i in range(len(sample_seqs)) if i not in forced]
                 if rows:
-                    logits = self.model.compute_logits(hidden if not forced else hidden[rows])
+                    logits = self.backend.compute_logits(self.model, hidden if not forced else hidden[rows])
         t2 = self._now()
         self.last_forward_time = t2 - t1
         result = []
@@ -189,9 +168,9 @@ class ModelRunner:
         the accepted drafts and one more token each, from the logits of all their rows."""
         rows = [r for _, start, n in verify for r in range(start, start + n)]
         h = hidden[rows]
-        if self.fused_argmax and h.dtype == torch.float32 and all(s.argmax_only for s, _, _ in verify):
-            return rejection.verify(verify, None, self.model.compute_argmax(h).tolist(), self.sampler)
-        return rejection.verify(verify, self.model.compute_logits(h).float(), None, self.sampler)
+        if self.backend.fused_argmax and h.dtype == torch.float32 and all(s.argmax_only for s, _, _ in verify):
+            return rejection.verify(verify, None, self.backend.argmax(self.model, h).tolist(), self.sampler)
+        return rejection.verify(verify, self.backend.compute_logits(self.model, h).float(), None, self.sampler)
 
     def _forced(self, seqs, pending):
         """The constrained rows' masks, and {row: token} for the rows whose grammar allows one
@@ -225,5 +204,5 @@ class ModelRunner:
     def forward_logits(self, sched: SchedulerOutput) -> torch.Tensor:
         """All-position logits of one step (for tests comparing against a reference)."""
         input_ids, positions, meta, *_ = self.prepare(sched)
-        with attention_context(meta):
-            return self.model.compute_logits(self.model(input_ids, positions)).float()
+        hidden = self.backend.forward(self.model, input_ids, positions, meta)
+        return self.backend.compute_logits(self.model, hidden).float()

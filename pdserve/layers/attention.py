@@ -3,10 +3,9 @@
 The engine step puts prefill chunks and decode tokens of many sequences into one flat batch of T
 tokens. Each layer writes the new K/V into their cache slots (an index write) and then lets every
 query attend to its own sequence's cached K/V. Decodes (one query each) and prefill chunks (many
-queries each) form two groups, each one call with no Python loop over sequences: on CPU with the
-compiled kernels, kernels/attention_cpu.cpp (decode) and kernels/prefill_attention_cpu.cpp (prefill)
-read the cache in place; elsewhere each group is gathered, padded and masked for one batched
-scaled_dot_product_attention call.
+queries each) form two groups, each one call with no Python loop over sequences: here each group
+is gathered, padded and masked for one batched scaled_dot_product_attention call (the CPU
+backend's kernels read the cache in place instead: backends/cpu/layers.py).
 
 The per-step metadata (slot mapping, gather indices, masks) is built once per step by the model
 runner and made visible to every layer through `attention_context` for the duration of the forward.
@@ -18,8 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from pdserve.kernels import cpu_ops
 
 
 @dataclass
@@ -39,8 +36,8 @@ class AttentionGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor       # (T,) cache slot each new token's K/V is written to
     groups: list[AttentionGroup]     # the torch path's masked groups (none on the CPU kernels' path)
-    # The CPU kernels' path: a C++ AttentionStep (kernels/decoder.h), every tensor a view of the
-    # step's one int64 buffer; the decoder stacks take it as it is, PagedAttention reads its fields.
+    # The CPU kernels' path: a C++ AttentionStep (backends/cpu/kernels/decoder.h), every tensor a
+    # view of the step's one int64 buffer; the decoder stack takes it as it is.
     step: object = None
 
 
@@ -65,54 +62,22 @@ def get_attention_metadata() -> AttentionMetadata:
 
 
 def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int, sliding_window: int | None,
-                   device, with_mask: bool = True) -> tuple[list[torch.Tensor], AttentionMetadata]:
-    """One step's attention metadata, and its per-token integer lists as tensors.
+                   device) -> tuple[list[torch.Tensor], AttentionMetadata]:
+    """One step's attention metadata for the masked SDPA path, and its per-token integer lists as
+    tensors.
 
     flat: per-token lists of the step (the runner's input ids, positions, slots), the last being
     the slot mapping. groups: (q_lens, starts, ctx_lens, block_tables) of each group, whose sequences
     have q_lens queries starting at flat index starts and a cached context of ctx_lens tokens after
-    this step; a group of one-query sequences is the decodes. The CPU kernels need no mask and no
-    padding (with_mask=False): the step's integers then go into one list, which one C++ call copies
-    with the block tables (cut or padded there) into an int64 buffer and views as the flat tensors
-    and an AttentionStep. Between two forwards each torch call runs cold: array(), frombuffer and
-    a split into views cost ~60 us at batch 32 there."""
-    if with_mask:
-        ints, sizes = [], []
-        for x in flat:
-            ints += x
-            sizes.append(len(x))
-        tensors = torch.frombuffer(array("q", ints), dtype=torch.long).to(device).split(sizes)
-        built = [_masked_group(*g, block_size, sliding_window, device) for g in groups]
-        return list(tensors), AttentionMetadata(tensors[-1], built)
-    T = len(flat[-1])
-    ints = []
-    for x in flat:   # the runner's three lists are all T long
-        assert len(x) == T
+    this step; a group of one-query sequences is the decodes. (The CPU backend's kernels need no
+    mask and no padding: backends/cpu/metadata.py builds theirs.)"""
+    ints, sizes = [], []
+    for x in flat:
         ints += x
-    dec = pre = None
-    for g in groups:
-        if max(g[0]) == 1:
-            dec = g
-        else:
-            pre = g
-    dec_tables, pre_tables, nb_dec, nb_pre, first_row = [], [], 0, 0, -1
-    if dec is not None:
-        _, starts, ctx_lens, dec_tables = dec
-        ints += ctx_lens
-        nb_dec = (max(ctx_lens) + block_size - 1) // block_size
-        if starts[-1] - starts[0] == len(starts) - 1:   # rows first_row..: a slice, not an index op
-            first_row = starts[0]
-        else:
-            ints += starts
-    if pre is not None:
-        q_lens, starts, ctx_lens, pre_tables = pre
-        ints += starts + q_lens + ctx_lens
-        nb_pre = (max(ctx_lens) + block_size - 1) // block_size
-    tensors, step = cpu_ops().AttentionStep.from_ints(ints, dec_tables, pre_tables, len(flat), T, len(dec_tables),
-                                                      nb_dec, first_row, len(pre_tables), nb_pre, block_size,
-                                                      sliding_window or 0)
-    slots = step.slot_mapping
-    return tensors + [slots], AttentionMetadata(slots, [], step)
+        sizes.append(len(x))
+    tensors = torch.frombuffer(array("q", ints), dtype=torch.long).to(device).split(sizes)
+    built = [_masked_group(*g, block_size, sliding_window, device) for g in groups]
+    return list(tensors), AttentionMetadata(tensors[-1], built)
 
 
 def _add_tables(ints: list[int], tables: list[list[int]], num_keys: int, block_size: int) -> int:
@@ -161,8 +126,6 @@ class PagedAttention(nn.Module):
         # The KV write is an index write into the flat slot view of the paged cache.
         self.k_cache.index_copy_(0, meta.slot_mapping, k)
         self.v_cache.index_copy_(0, meta.slot_mapping, v)
-        if meta.step is not None:
-            return self._kernels(q, meta.step)
         out = torch.empty_like(q)
         for g in meta.groups:
             qg = q[g.token_idx].transpose(1, 2)                 # (B, H, Q, D)
@@ -173,23 +136,6 @@ class PagedAttention(nn.Module):
             og = og.transpose(1, 2)                               # (B, Q, H, D)
             out[g.token_idx[g.query_valid]] = og[g.query_valid]
         return out.reshape(q.shape[0], -1)
-
-    def _kernels(self, q: torch.Tensor, s) -> torch.Tensor:
-        """The CPU kernels over the cache in place (s: the step's AttentionStep). They compute and
-        write fp32: a bf16 model's output is converted once, at the end."""
-        out = torch.empty(q.shape, dtype=torch.float32)
-        qf = q.float().contiguous()
-        B = s.decode_ctx.shape[0]
-        if B:   # decodes: one query each, rows first_row.. (a slice) or decode_rows
-            rows = s.decode_rows if s.decode_first_row < 0 else slice(s.decode_first_row, s.decode_first_row + B)
-            out[rows] = cpu_ops().paged_decode_attention(qf[rows].contiguous(), self.k_cache, self.v_cache,
-                                                         s.decode_tables, s.decode_ctx, s.block_size, self.scale,
-                                                         s.sliding_window)
-        if s.prefill_q_lens.shape[0]:   # prefill chunks, written into out in place
-            cpu_ops().paged_prefill_attention(qf, self.k_cache, self.v_cache, s.prefill_tables, s.prefill_starts,
-                                              s.prefill_q_lens, s.prefill_ctx, out, s.block_size, self.scale,
-                                              s.sliding_window)
-        return out.to(q.dtype).reshape(q.shape[0], -1)
 
     @staticmethod
     def _gather(cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

@@ -2,30 +2,20 @@
 
 Called as norm(x) it returns the normalised x; called as norm(x, residual) it first adds x to the
 residual stream and returns (normalised sum, new residual), as vLLM's layers do, so that the add
-and the norm are one pass. On CPU with the compiled kernels (the runner sets use_kernel) that pass
-is kernels/norm_cpu.cpp, in place; elsewhere torch's add and rms_norm."""
+and the norm are one pass: here torch's add and rms_norm, in the CPU backend its kernel's one
+pass in place (backends/cpu/layers.py)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import cpu_ops
-
 
 class RMSNorm(nn.Module):
-    use_kernel = False
-
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.use_kernel and x.dtype == torch.float32 and x.dim() == 2:
-            x = x.contiguous()
-            if residual is None:
-                return cpu_ops().rms_norm(x, self.weight, self.eps)
-            cpu_ops().fused_add_rms_norm(x, residual, self.weight, self.eps)   # x is this step's scratch
-            return x, residual
         if residual is None:
             return self._norm(x)
         residual = x + residual

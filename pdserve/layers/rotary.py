@@ -1,14 +1,12 @@
 """Rotary position embedding (the rotate-half layout HF checkpoints use), with llama3 scaling.
 
-On CPU with the compiled kernels (the runner sets use_kernel) q and k are rotated in place by
-kernels/rotary_cpu.cpp, one pass over the views of the qkv product; elsewhere by torch's ops."""
+q and k are rotated by torch's ops, or in place by a backend's kernel that the Rope carries
+(the CPU backend's: one pass over the views of the qkv product, backends/cpu/layers.py)."""
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
-
-from pdserve.kernels import cpu_ops
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -26,15 +24,14 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class Rope(NamedTuple):
-    """cos and sin of each token's position, (T, 1, D), and whether to rotate with the kernel."""
+    """cos and sin of each token's position, (T, 1, D), and the in-place rotation
+    rotate(q, k, cos, sin) of a backend's kernel (None: torch's ops)."""
     cos: torch.Tensor
     sin: torch.Tensor
-    kernel: bool = False
+    rotate: Callable | None = None
 
 
 class RotaryEmbedding(nn.Module):
-    use_kernel = False
-
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
         super().__init__()
         self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
@@ -55,15 +52,14 @@ class RotaryEmbedding(nn.Module):
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos and sin of each position: looked up once per forward for all layers."""
-        return Rope(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype),
-                    self.use_kernel and dtype == torch.float32)
+        return Rope(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
 
 
 def apply_rotary(rope: Rope, q: torch.Tensor, k: torch.Tensor):
-    """rope: RotaryEmbedding.lookup(positions); q: (T, H, D), k: (T, Hkv, D). With the kernel q and
+    """rope: RotaryEmbedding.lookup(positions); q: (T, H, D), k: (T, Hkv, D). With a kernel q and
     k are rotated in place (they are views of this step's qkv product)."""
-    if rope.kernel:
-        cpu_ops().rotary_embedding(q, k, rope.cos, rope.sin)
+    if rope.rotate is not None:
+        rope.rotate(q, k, rope.cos, rope.sin)
         return q, k
     cos, sin = rope.cos, rope.sin
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

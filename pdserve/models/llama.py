@@ -2,17 +2,19 @@
 
 RMSNorm, RoPE, SwiGLU, grouped-query attention. Module names mirror the HF checkpoints so that
 loading is a name match, except q/k/v and gate/up: each is one MergedLinear, filled shard by shard
-(`stacked_params`)."""
+(`stacked_params`). A Llama-like family is a subclass here (another `norm_class`, its own
+config_fields) and one entry in models/__init__.py: decoder_spec() tells the backends what its
+layers compute."""
 import torch
 from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.activation import SiluAndMul
-from pdserve.kernels import cpu_ops
-from pdserve.layers.attention import PagedAttention, get_attention_metadata
+from pdserve.layers.attention import PagedAttention
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+from pdserve.models.decoder_spec import DecoderSpec
 
 
 class LlamaAttention(nn.Module):
@@ -47,12 +49,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, norm=RMSNorm):
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
         self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None):
         """x: the previous layer's output, not yet added to the residual stream (None before the
@@ -66,35 +68,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, norm=RMSNorm):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.stack = None   # the layers as one C++ call (use_stack)
-
-    def use_stack(self) -> None:
-        """Run the layers as one call of kernels/decoder_cpu.cpp: the same kernels in the same order,
-        without the Python between them. Needs packed linears and the attention kernels; the runner
-        calls it once the KV cache is allocated (the stack holds its views). Activations are fp32
-        throughout: with a bf16 model only the weights and the KV cache are bf16."""
-        layers = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            layers.append([layer.input_layernorm.weight.detach().float(), *attn.qkv_proj.stack_tensors(),
-                           *attn.o_proj.stack_tensors(), layer.post_attention_layernorm.weight.detach().float(),
-                           *mlp.gate_up_proj.stack_tensors(), *mlp.down_proj.stack_tensors(), attn.attn.k_cache,
-                           attn.attn.v_cache])
-        attn = self.layers[0].self_attn
-        self.stack = cpu_ops().LlamaStack(layers, self.norm.weight.detach().float(), attn.H, attn.Hkv, attn.D,
-                                          self.layers[0].mlp.down_proj.in_features, self.norm.eps, attn.attn.scale)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, norm) for _ in range(cfg.num_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.stack is not None:
-            rope = self.rotary.lookup(positions, torch.float32)
-            return self.stack.forward(x.float().contiguous(), rope.cos, rope.sin, get_attention_metadata().step)
         rope = self.rotary.lookup(positions, x.dtype)   # once per forward, shared by every layer
         residual = None
         for layer in self.layers:
@@ -107,6 +89,8 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     embed_module = "model.embed_tokens"
+    # a norm(dim, eps) called as norm(x) or norm(x, residual) -> (norm of x + residual, x + residual)
+    norm_class = RMSNorm
 
     @staticmethod
     def config_fields(raw: dict) -> dict:
@@ -120,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, self.norm_class)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -129,12 +113,20 @@ class LlamaForCausalLM(nn.Module):
         """Flat batch of T tokens -> hidden states (T, hidden)."""
         return self.model(input_ids, positions)
 
-    def use_stack(self) -> None:
-        self.model.use_stack()
+    def decoder_spec(self) -> DecoderSpec:
+        """The layers' recipe (models/decoder_spec.py): pre-norm, RoPE, SwiGLU, the final norm."""
+        return DecoderSpec(layers="model.layers", attn_norm="input_layernorm", qkv="self_attn.qkv_proj",
+                           attention="self_attn.attn", o="self_attn.o_proj", mlp_norm="post_attention_layernorm",
+                           up="mlp.gate_up_proj", down="mlp.down_proj", activation="silu_and_mul",
+                           rotary="model.rotary", final_norm="model.norm")
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first layer's input (for a backend that runs the layers itself)."""
+        return self.model.embed_tokens(input_ids)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states from the layers' output (the final norm is in the recipe)."""
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """compute_logits(hidden).argmax(-1), from a PackedLinear lm_head without the logits."""
-        return self.lm_head.argmax(hidden)

@@ -5,9 +5,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import ModelConfig
-from pdserve.kernels import cpu_ops
-from pdserve.layers.attention import PagedAttention, get_attention_metadata
+from pdserve.layers.attention import PagedAttention
 from pdserve.layers.merged_linear import MergedLinear
+from pdserve.models.decoder_spec import DecoderSpec
 
 # OPT's learned position table has two extra leading rows (a fairseq padding convention).
 POSITION_OFFSET = 2
@@ -67,38 +67,27 @@ class OPTDecoder(nn.Module):
         self.final_layer_norm = (nn.LayerNorm(cfg.hidden_size, elementwise_affine=cfg.raw.get(
             "layer_norm_elementwise_affine", True)) if has_final else None)
         self.layers = nn.ModuleList(OPTDecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.stack = None   # the layers as one C++ call (use_stack)
 
-    def use_stack(self) -> None:
-        """The layers as one call of kernels/decoder_cpu.cpp (see LlamaModel.use_stack)."""
-        def norm(m):
-            return [torch.empty(0) if t is None else t.detach().float() for t in (m.weight, m.bias)]
-        layers = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            layers.append([*norm(layer.self_attn_layer_norm), *attn.qkv_proj.stack_tensors(),
-                           *attn.out_proj.stack_tensors(), *norm(layer.final_layer_norm), *layer.fc1.stack_tensors(),
-                           *layer.fc2.stack_tensors(), attn.attn.k_cache, attn.attn.v_cache])
-        first = self.layers[0]
-        self.stack = cpu_ops().OptStack(layers, first.self_attn.H, first.self_attn.D, first.fc1.out_features,
-                                        first.pre_ln, first.act_name, first.final_layer_norm.eps,
-                                        first.self_attn.attn.scale)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.project_in is not None:
             x = self.project_in(x)
-        x = x + self.embed_positions(positions + POSITION_OFFSET)
-        if self.stack is not None:   # fp32 inside; the final norm and project_out in the model's dtype
-            x = self.stack.forward(x.float().contiguous(), get_attention_metadata().step).to(x.dtype)
-        else:
-            for layer in self.layers:
-                x = layer(x)
+        return x + self.embed_positions(positions + POSITION_OFFSET)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and project_out after the layers, in the model's dtype."""
+        x = x.to(self.embed_positions.weight.dtype)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
         return x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids, positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.finish(x)
 
 
 class OPTModel(nn.Module):
@@ -131,12 +120,21 @@ class OPTForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.decoder(input_ids, positions)
 
-    def use_stack(self) -> None:
-        self.model.decoder.use_stack()
+    def decoder_spec(self) -> DecoderSpec:
+        """The layers' recipe (models/decoder_spec.py): pre-LN (125m) or post-LN (350m), no RoPE (the
+        positions are in the embedding); the final norm and project_out stay in finish()."""
+        first = self.model.decoder.layers[0]
+        return DecoderSpec(layers="model.decoder.layers", attn_norm="self_attn_layer_norm", qkv="self_attn.qkv_proj",
+                           attention="self_attn.attn", o="self_attn.out_proj", mlp_norm="final_layer_norm", up="fc1",
+                           down="fc2", activation=first.act_name, norm_position="pre" if first.pre_ln else "post")
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first layer's input (for a backend that runs the layers itself)."""
+        return self.model.decoder.embed(input_ids, positions)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states from the last layer's output."""
+        return self.model.decoder.finish(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def compute_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """compute_logits(hidden).argmax(-1), from a PackedLinear lm_head without the logits."""
-        return self.lm_head.argmax(hidden)

@@ -240,13 +240,11 @@ def capacity(engine, args: argparse.Namespace) -> str:
     if runner is None:   # a baseline backend
         return f"backend {args.backend}, max_model_len {engine.max_model_len}"
     tokens = runner.num_blocks * runner.block_size
-    kernels = {"torch": "torch ops"}.get(runner.weight_format, f"pdserve CPU kernels ({runner.weight_format} "
-                                         f"linears{', attention' if runner.attention_kernels else ''})")
     if runner.device.type == "cuda":
         memory = f"{torch.cuda.memory_allocated(runner.device) / 2**30:.2f} GiB on the GPU"
     else:   # ru_maxrss is in KiB on Linux
         memory = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
-    return (f"dtype {str(runner.dtype).removeprefix('torch.')} on {runner.device}, {kernels}, "
+    return (f"dtype {str(runner.dtype).removeprefix('torch.')} on {runner.device}, {runner.backend.describe()}, "
             f"{torch.get_num_threads()} threads; KV cache {runner.num_blocks} blocks x {runner.block_size} = "
             f"{tokens} tokens: {tokens // engine.max_model_len} sequences at the full {engine.max_model_len} "
             f"tokens (--max-num-seqs {engine.config.max_num_seqs}); memory {memory}")

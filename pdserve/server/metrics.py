@@ -14,7 +14,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                disable_created_metrics, generate_latest)
 
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
-from pdserve.kernels import pool_cached_bytes
+from pdserve.backends.cpu.kernels import pool_cached_bytes
 
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]

@@ -15,7 +15,6 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.errors import ConfigError
-from pdserve.layers.attention import attention_context, build_metadata
 
 
 class DraftModelProposer:
@@ -70,11 +69,9 @@ class DraftModelProposer:
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
             last.append(len(ids) - 1)
-        (ids_t, pos_t, _), meta = build_metadata([ids, positions, slots], [g for g in groups.values() if g[0]], bs,
-                                                 r.sliding_window, r.device, with_mask=not r.attention_kernels)
-        with attention_context(meta):
-            hidden = r.model(ids_t, pos_t)
-        hidden = hidden[last]
-        if r.fused_argmax and hidden.dtype == torch.float32:
-            return r.model.compute_argmax(hidden).tolist()
-        return r.model.compute_logits(hidden).float().argmax(dim=-1).tolist()
+        (ids_t, pos_t, _), meta = r.backend.build_metadata([ids, positions, slots], [g for g in groups.values() if g[0]],
+                                                           bs, r.sliding_window, r.device)
+        hidden = r.backend.forward(r.model, ids_t, pos_t, meta)[last]
+        if r.backend.fused_argmax and hidden.dtype == torch.float32:
+            return r.backend.argmax(r.model, hidden).tolist()
+        return r.backend.compute_logits(r.model, hidden).float().argmax(dim=-1).tolist()

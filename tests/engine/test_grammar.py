@@ -72,10 +72,11 @@ def test_outputs_match_their_grammar_greedy_and_sampled_among_free_requests(engi
 
 
 def test_a_greedy_constrained_row_never_takes_the_fused_argmax(engine, monkeypatch):
-    assert engine.runner.fused_argmax   # the path exists for this model: it must not be taken
+    backend = engine.runner.backend
+    assert backend.fused_argmax   # the path exists for this model: it must not be taken
     calls = []
-    real = engine.runner.model.compute_argmax
-    monkeypatch.setattr(engine.runner.model, "compute_argmax", lambda h: calls.append(1) or real(h))
+    real = backend.argmax
+    monkeypatch.setattr(backend, "argmax", lambda model, h: calls.append(1) or real(model, h))
     finals = run(engine, [("c", "Hi", SamplingParams(max_tokens=200, temperature=0, grammar=JSON))])
     jsonschema.validate(json.loads(finals["c"].text), SCHEMA)
     assert not calls

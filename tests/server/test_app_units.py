@@ -77,7 +77,7 @@ def test_serve_help_explains_every_flag():
 
 def test_kernel_pool_bytes_exported_at_each_scrape():
     from prometheus_client.parser import text_string_to_metric_families
-    from pdserve.kernels import cpu_ops, pool_cached_bytes
+    from pdserve.backends.cpu.kernels import cpu_ops, pool_cached_bytes
     from pdserve.server.metrics import ServerMetrics
     if cpu_ops() is None:
         pytest.skip("this CPU runs none of the kernels' builds")

@@ -1,4 +1,4 @@
-"""The packed weights and the KV cache are marked for huge pages (pdserve/hugepages.py)."""
+"""The packed weights and the KV cache are marked for huge pages (pdserve/backends/cpu/hugepages.py)."""
 import ctypes
 import mmap
 import sys
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from pdserve import hugepages
-from pdserve.layers.packed_linear import pack_weight
+from pdserve.backends.cpu import hugepages
+from pdserve.backends.cpu.packed_linear import pack_weight
 
 
 def _thp_mode() -> str:
@@ -96,7 +96,7 @@ def test_small_packed_weights_are_on_huge_pages(tiny_llama):
     # Each of this model's packed weights is smaller than a huge page: allocated alone, none would
     # be marked. pack_model puts them in one arena.
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.layers.packed_linear import PackedLinear
+    from pdserve.backends.cpu.packed_linear import PackedLinear
     model = LLMEngine(tiny_llama, kv_cache_memory=8 << 20).runner.model
     packed = [m.packed for m in model.modules() if isinstance(m, PackedLinear)]
     assert packed and all(p.numel() * p.element_size() < hugepages.HUGE for p in packed)
@@ -106,7 +106,7 @@ def test_small_packed_weights_are_on_huge_pages(tiny_llama):
 _PACK_RSS = """
 import sys, torch
 from torch import nn
-from pdserve.layers.packed_linear import pack_model
+from pdserve.backends.cpu.packed_linear import pack_model
 
 def rss():
     return next(int(l.split()[1]) << 10 for l in open("/proc/self/status") if l.startswith("VmRSS"))

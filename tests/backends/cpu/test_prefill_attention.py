@@ -4,7 +4,7 @@ grouped-query heads, sliding windows, every head size it has, bf16 cache, decode
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
 from tests.helpers import attention_torch_and_kernels
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from pdserve import kernels
+import pdserve
+from pdserve.backends.cpu import kernels
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
 
@@ -48,7 +49,7 @@ def test_stale_lock_from_a_killed_build_is_removed():
     open(lock, "w").close()   # what torch's loader leaves when its build is killed
     try:
         # torch's loader alone would wait on this file forever
-        r = subprocess.run([sys.executable, "-c", "from pdserve.kernels import load_cpu_ops; load_cpu_ops()"],
+        r = subprocess.run([sys.executable, "-c", "from pdserve.backends.cpu.kernels import load_cpu_ops; load_cpu_ops()"],
                            capture_output=True, text=True, timeout=300,
                            env={**os.environ, "PDSERVE_CPU_ISA": kernels.selected_isa()})
         assert r.returncode == 0, r.stderr
@@ -88,9 +89,9 @@ def test_a_checkout_elsewhere_with_the_same_kernels_reuses_the_build(tmp_path):
     kernels.cpu_ops()
     built = os.path.join(kernels.build_directory(kernels.build_name()), kernels.build_name() + ".so")
     before = os.stat(built).st_mtime_ns
-    package = os.path.dirname(os.path.dirname(kernels.__file__))
+    package = os.path.dirname(pdserve.__file__)
     shutil.copytree(package, tmp_path / "pdserve", ignore=shutil.ignore_patterns("data", "__pycache__"))
-    code = ("import pdserve.kernels as k; assert k.__file__.startswith(%r), k.__file__; "
+    code = ("import pdserve.backends.cpu.kernels as k; assert k.__file__.startswith(%r), k.__file__; "
             "print(k.build_name()); assert k.load_cpu_ops().packed_linear" % str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(tmp_path), "PDSERVE_CPU_ISA": kernels.selected_isa()},

@@ -1,9 +1,10 @@
-"""The CPU silu-and-mul kernel equals torch's silu(gate) * up (the runner switches it on: test_packed_linear.py)."""
+"""The CPU silu-and-mul kernel equals torch's silu(gate) * up (the CPU backend swaps it in: test_packed_linear.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
+from pdserve.backends.cpu.layers import CpuSiluAndMul
 from pdserve.layers.activation import SiluAndMul
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
@@ -17,8 +18,7 @@ def test_kernel_equals_torch(shape):
     x[..., 1] = -100.0
     act = SiluAndMul()
     want = act(x)                # torch
-    act.use_kernel = True
-    got = act(x)
+    got = CpuSiluAndMul()(x)
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(want, F.silu(gate) * up)
     assert got.shape == want.shape

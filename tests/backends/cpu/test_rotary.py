@@ -1,9 +1,10 @@
-"""The CPU rotary kernel rotates q and k in place exactly as torch's ops do (the runner switches
-it on: test_packed_linear.py)."""
+"""The CPU rotary kernel rotates q and k in place exactly as torch's ops do (the CPU backend
+swaps it in: test_packed_linear.py)."""
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
+from pdserve.backends.cpu.layers import CpuRotaryEmbedding
 from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
@@ -19,11 +20,11 @@ def test_kernel_equals_torch_on_qkv_views(T, H, Hkv, D):
         q, k, v = t.split([H * D, Hkv * D, Hkv * D], dim=-1)
         return q.view(T, H, D), k.view(T, Hkv, D), v
     rope = rotary.lookup(positions, torch.float32)
-    assert not rope.kernel
+    assert rope.rotate is None
     want_q, want_k = apply_rotary(rope, *split(qkv)[:2])
     got = qkv.clone()
     q, k, v = split(got)
-    rope = Rope(rope.cos, rope.sin, kernel=True)
+    rope = Rope(rope.cos, rope.sin, cpu_ops().rotary_embedding)
     out_q, out_k = apply_rotary(rope, q, k)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()   # in place, in the qkv product
     assert torch.equal(out_q, want_q) and torch.equal(out_k, want_k)   # the same roundings as torch's ops
@@ -31,8 +32,8 @@ def test_kernel_equals_torch_on_qkv_views(T, H, Hkv, D):
 
 
 def test_lookup_asks_for_the_kernel_only_in_fp32():
-    rotary = RotaryEmbedding(32, 64, 10000.0)
-    rotary.use_kernel = True
+    rotary = CpuRotaryEmbedding(32, 64, 10000.0)
     positions = torch.arange(4)
-    assert rotary.lookup(positions, torch.float32).kernel
-    assert not rotary.lookup(positions, torch.bfloat16).kernel
+    assert rotary.lookup(positions, torch.float32).rotate is cpu_ops().rotary_embedding
+    assert rotary.lookup(positions, torch.bfloat16).rotate is None
+    assert RotaryEmbedding(32, 64, 10000.0).lookup(positions, torch.float32).rotate is None

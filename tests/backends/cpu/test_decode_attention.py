@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
 from tests.helpers import attention_torch_and_kernels
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")

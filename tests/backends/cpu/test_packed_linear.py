@@ -6,10 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
+from pdserve.backends.cpu.kernels import cpu_ops, cpu_supports_bf16_dot
+from pdserve.backends.cpu.layers import CpuPagedAttention, CpuRMSNorm, CpuRotaryEmbedding, CpuSiluAndMul
+from pdserve.backends.cpu.packed_linear import PackedLinear, TiedPackedEmbedding
 from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.attention import PagedAttention
 from pdserve.layers.layernorm import RMSNorm
-from pdserve.layers.packed_linear import PackedLinear, TiedPackedEmbedding
 from pdserve.layers.rotary import RotaryEmbedding
 from tests.helpers import corpus_prompts, tokens_before_divergence
 
@@ -125,18 +127,20 @@ def test_engine_packs_by_default_on_cpu_and_can_opt_out(tiny_qwen2):
 
 
 
-def test_runner_switches_the_layer_kernels_on_with_the_linear_kernel(tiny_llama):
-    """SwiGLU, add + RMSNorm and RoPE run on their kernels exactly when the linears are packed."""
+def test_backend_swaps_the_layer_kernels_in_with_the_linear_kernel(tiny_llama):
+    """SwiGLU, add + RMSNorm, RoPE and the paged attention run on their kernels exactly when the
+    linears are packed (the CPU backend)."""
     from pdserve.engine.llm_engine import LLMEngine
     on = LLMEngine(tiny_llama, num_kv_blocks=8)
     off = LLMEngine(tiny_llama, num_kv_blocks=8, cpu_kernels=False)
-    def flags(e, kind):
-        return [m.use_kernel for m in e.runner.model.modules() if isinstance(m, kind)]
-    for kind in (SiluAndMul, RMSNorm):
-        assert flags(on, kind) and all(flags(on, kind))
-        assert flags(off, kind) and not any(flags(off, kind))
-    assert flags(on, RotaryEmbedding) == [True]
-    assert flags(off, RotaryEmbedding) == [False]
+    assert on.runner.backend.name == "cpu" and off.runner.backend.name == "torch"
+    def kinds(e, kind):
+        return [type(m) for m in e.runner.model.modules() if isinstance(m, kind)]
+    for kind, kernel in ((SiluAndMul, CpuSiluAndMul), (RMSNorm, CpuRMSNorm), (RotaryEmbedding, CpuRotaryEmbedding),
+                         (PagedAttention, CpuPagedAttention)):
+        assert kinds(on, kind) and set(kinds(on, kind)) == {kernel}
+        assert kinds(off, kind) and set(kinds(off, kind)) == {kind}
+
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
 def test_int8_close_to_fp32(make_tiny, arch):

@@ -1,5 +1,5 @@
-"""The decoder stacks in one C++ call (kernels/decoder_cpu.cpp) compute exactly what the Python
-modules compute: same kernels, same order, so every logprob is bitwise equal, in steps that mix
+"""The decoder stack in one C++ call (kernels/decoder_cpu.cpp), built from each model's recipe,
+computes exactly what the Python modules compute: same kernels, same order, so every logprob is bitwise equal, in steps that mix
 decodes and prefill chunks. A bf16 model keeps fp32 activations in the stack (the modules run
 bf16 torch ops): there it must be at least as close to fp32 as the modules are."""
 import pytest
@@ -22,13 +22,12 @@ VARIANTS = {
 
 
 def stack_owner(llm: LLM):
-    """The module whose `stack` runs the layers (set to None: the Python modules run them)."""
-    model = llm.engine.runner.model.model
-    return model.decoder if hasattr(model, "decoder") else model
+    """The backend whose `stack` runs the layers (set to None: the Python modules run them)."""
+    return llm.engine.runner.backend
 
 
 class CountingStack:
-    """Wraps the model's stack (LlamaStack or OptStack) and counts its forwards: the test must not pass by not running it."""
+    """Wraps the backend's DecoderStack and counts its forwards: the test must not pass by not running it."""
 
     def __init__(self, stack):
         self.stack, self.calls, self.first_rows = stack, 0, set()
@@ -97,6 +96,5 @@ def test_bfloat16_stack_as_close_to_float32_as_modules(make_tiny, arch):
 
 
 def test_stack_off_where_kernels_do_not_apply(tiny_llama, tiny_opt):
-    assert stack_owner(LLM(tiny_llama, cpu_kernels=False)).stack is None
-    assert stack_owner(LLM(tiny_opt, cpu_kernels=False)).stack is None
-    assert stack_owner(LLM(tiny_llama, dtype="float16")).stack is None
+    for llm in (LLM(tiny_llama, cpu_kernels=False), LLM(tiny_opt, cpu_kernels=False), LLM(tiny_llama, dtype="float16")):
+        assert stack_owner(llm).name == "torch" and getattr(stack_owner(llm), "stack", None) is None

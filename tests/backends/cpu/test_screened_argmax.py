@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
-from pdserve.layers.packed_linear import PackedLinear
+from pdserve.backends.cpu.kernels import cpu_ops, cpu_supports_bf16_dot
+from pdserve.backends.cpu.packed_linear import PackedLinear
 from tests.helpers import corpus_prompts
 
 pytestmark = pytest.mark.usefixtures("cpu_isa", "bf16_dot")

@@ -5,7 +5,7 @@ outside the cache."""
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
 

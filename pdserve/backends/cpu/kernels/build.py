@@ -4,7 +4,7 @@ import argparse
 import logging
 import sys
 
-from pdserve import kernels
+from pdserve.backends.cpu import kernels
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@
 
 namespace {
 
-// build_metadata's (layers/attention.py) one call for the CPU kernels' path. ints: the step's
+// build_step_metadata's (backends/cpu/metadata.py) one call for the CPU kernels' path. ints: the step's
 // integers but its block tables, a Python list: num_flat per-token lists of num_tokens each (the
 // last the slot mapping), then AttentionStep::from_buffer's layout up to the tables. The tables
 // (lists of block ids) are cut or padded with block 0 to decode_blocks and prefill_blocks here.
@@ -101,15 +101,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("prefill_ctx", &pdserve::AttentionStep::prefill_ctx)
       .def_readonly("block_size", &pdserve::AttentionStep::block_size)
       .def_readonly("sliding_window", &pdserve::AttentionStep::sliding_window);
-  py::class_<pdserve::LlamaStack>(m, "LlamaStack", "a Llama-family decoder stack in one call (decoder_cpu.cpp)",
-                                  py::module_local())
-      .def(py::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, int64_t, int64_t, int64_t, int64_t, double,
-                    double>())
-      .def("forward", &pdserve::LlamaStack::forward, py::call_guard<py::gil_scoped_release>());
-  py::class_<pdserve::OptStack>(m, "OptStack", "an OPT decoder stack in one call (decoder_cpu.cpp)", py::module_local())
-      .def(py::init<std::vector<std::vector<torch::Tensor>>, int64_t, int64_t, int64_t, bool, std::string, double,
-                    double>())
-      .def("forward", &pdserve::OptStack::forward, py::call_guard<py::gil_scoped_release>());
+  py::class_<pdserve::DecoderStack>(m, "DecoderStack", "a decoder's layers in one call, after its recipe (decoder_cpu.cpp)",
+                                    py::module_local())
+      .def(py::init<const std::vector<std::map<std::string, torch::Tensor>>&, const std::map<std::string, torch::Tensor>&,
+                    bool, std::string, std::string, bool, std::string, int64_t, int64_t, int64_t, int64_t, double,
+                    double>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("has_final_norm"), py::arg("norm"),
+           py::arg("norm_position"), py::arg("rotary"), py::arg("activation"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"))
+      .def_property_readonly("num_layers", &pdserve::DecoderStack::num_layers)
+      .def("forward", &pdserve::DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE on q and k in place (rotary_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
 }

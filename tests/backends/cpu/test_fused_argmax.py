@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import cpu_supports_bf16_dot
-from pdserve.layers.packed_linear import PackedLinear
+from pdserve.backends.cpu.kernels import cpu_supports_bf16_dot
+from pdserve.backends.cpu.packed_linear import PackedLinear
 from tests.helpers import corpus_prompts
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
@@ -116,8 +116,8 @@ def _count_logits(llm):
 def test_runner_takes_greedy_tokens_without_logits(make_tiny, arch):
     path = make_tiny(arch)
     fused, plain = LLM(path), LLM(path)
-    plain.engine.runner.fused_argmax = False
-    assert fused.engine.runner.fused_argmax
+    plain.engine.runner.backend.fused_argmax = False
+    assert fused.engine.runner.backend.fused_argmax
     calls = _count_logits(fused)
     prompts = corpus_prompts(fused.tokenizer, lens=[3, 30, 90])
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -137,7 +137,7 @@ def test_bf16_model_without_the_stack_keeps_the_sampler(tiny_llama):
     sampler sees are rounded, so the fused fp32 argmax is not taken."""
     llm = LLM(tiny_llama, dtype="bfloat16")
     runner = llm.engine.runner
-    runner.model.model.stack = None   # the Python layers: bf16 hidden rows
+    runner.backend.stack = None   # the Python layers: bf16 hidden rows
     calls = _count_logits(llm)
     llm.generate(corpus_prompts(llm.tokenizer, lens=[5]), SamplingParams(max_tokens=3, temperature=0))
     assert len(calls) == 3

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from pdserve import kernels
+from pdserve.backends.cpu import kernels
 
 pytestmark = pytest.mark.skipif(kernels.selected_isa() is None, reason="this CPU runs none of the kernels' builds")
 
@@ -29,7 +29,7 @@ def _tiny_load(tmp_path, env_extra=None):
     src = tmp_path / "tiny.cpp"
     src.write_text(TINY)
     code = ("import logging, sys; logging.basicConfig(level=logging.WARNING, stream=sys.stderr); "
-            "from pdserve import kernels as k; k.SOURCES = [%r]; k.HEADERS = []; "
+            "from pdserve.backends.cpu import kernels as k; k.SOURCES = [%r]; k.HEADERS = []; "
             "ops = k.cpu_ops(); print(ops.answer() if ops else None, ops.__file__ if ops else '')" % str(src))
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PDSERVE_CPU_ISA": kernels.selected_isa(),
            **(env_extra or {})}

@@ -2,7 +2,7 @@
 
 nn.Linear stores W as (N, K) and torch multiplies small batches at well under memory bandwidth
 on CPUs (docs/PERFORMANCE.md). PackedLinear stores W as panels of 16 output channels, (N/16, K, 16),
-which pdserve/kernels/linear_cpu.cpp streams once per step for any number of rows, in fp32, bf16
+which kernels/linear_cpu.cpp streams once per step for any number of rows, in fp32, bf16
 or int8 (weight-only: one fp32 scale per output channel, symmetric). Activations stay fp32 inside
 the kernel; the result is cast back to the model's dtype. Where the CPU has AVX512-BF16 a bf16
 model's weights are packed in k-pairs instead ("bf16x2": (N/16, K/2, 32)) and multiplied by bf16
@@ -10,8 +10,8 @@ dot products, twice the multiply-adds per instruction of fp32 FMAs."""
 import torch
 from torch import nn
 
-from pdserve import hugepages
-from pdserve.kernels import cpu_ops, cpu_supports_bf16_dot
+from pdserve.backends.cpu import hugepages
+from pdserve.backends.cpu.kernels import cpu_ops, cpu_supports_bf16_dot
 
 PANEL, TILE = 16, 64   # channels per panel; the kernel works on 4 panels at a time
 _NO_COUNTS = torch.empty(0, dtype=torch.long)   # the screened argmax's per-row candidate counts: not wanted
@@ -35,7 +35,7 @@ def pack_weight(weight: torch.Tensor, fmt: str,
         src = w.view(n_pad // PANEL, PANEL, K // 2, 2).permute(0, 2, 1, 3).reshape(n_pad // PANEL, K // 2, 2 * PANEL)
     else:
         src = w.view(n_pad // PANEL, PANEL, K).transpose(1, 2)
-    # streamed once per decode step: on huge pages (pdserve/hugepages.py)
+    # streamed once per decode step: on huge pages (hugepages.py)
     packed = arena.empty(src.shape, src.dtype) if arena is not None else hugepages.empty(src.shape, dtype=src.dtype)
     return packed.copy_(src), scale
 
@@ -90,10 +90,6 @@ class PackedLinear(nn.Module):
         bias = torch.empty(0) if self.bias is None else self.bias.detach().float()
         return cpu_ops().packed_linear_argmax(x.contiguous(), self.packed, self.scale, bias, self.out_features)
 
-    def stack_tensors(self) -> list[torch.Tensor]:
-        """packed, scale and fp32 bias (empty: none), as the decoder stacks take a linear (kernels/decoder.h)."""
-        return [self.packed, self.scale, torch.empty(0) if self.bias is None else self.bias.detach().float()]
-
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows W[ids] (K each, fp32) read back from the packed layout: the tied input embedding."""
         return cpu_ops().packed_rows(self.packed, self.scale, ids.reshape(-1).long().contiguous()).view(
@@ -118,7 +114,7 @@ def pack_model(model: nn.Module, fmt: str, embed_name: str | None) -> nn.Module:
     """Replace every nn.Linear by a PackedLinear (the lm_head with its argmax screen, where it can
     have one); a tied embedding `embed_name` then reads the packed lm_head. Frees each original
     weight as it goes, so peak memory grows by one matrix only. The packed weights share one
-    arena: all on huge pages, not only each one's aligned middle (pdserve/hugepages.py)."""
+    arena: all on huge pages, not only each one's aligned middle (hugepages.py)."""
     tied = embed_name is not None
     dtype = next(model.parameters()).dtype
     arena = hugepages.Arena()

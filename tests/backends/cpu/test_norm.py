@@ -1,9 +1,10 @@
-"""The CPU RMSNorm kernels equal torch's add + rms_norm (the runner switches them on: test_packed_linear.py)."""
+"""The CPU RMSNorm kernels equal torch's add + rms_norm (the CPU backend swaps them in: test_packed_linear.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_ops
+from pdserve.backends.cpu.kernels import cpu_ops
+from pdserve.backends.cpu.layers import CpuRMSNorm
 from pdserve.layers.layernorm import RMSNorm
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
@@ -14,9 +15,8 @@ def norms(n: int) -> tuple[RMSNorm, RMSNorm]:
     torch_norm = RMSNorm(n, 1e-5)
     with torch.no_grad():
         torch_norm.weight.copy_(torch.randn(n))
-    kernel_norm = RMSNorm(n, 1e-5)
+    kernel_norm = CpuRMSNorm(n, 1e-5)
     kernel_norm.load_state_dict(torch_norm.state_dict())
-    kernel_norm.use_kernel = True
     return torch_norm, kernel_norm
 
 

@@ -1,0 +1,284 @@
+// A decoder's layers for one engine step in one call, after the recipe its model declares (Llama,
+// Qwen2, Mistral, OPT, ...). Why: the same kernels and ops in the same order as the Python modules
+// (pdserve/models/llama.py, opt.py), but without ~25 module calls and ~20 torch ops per layer
+// between them, each run cold after the weight stream has flushed the caches: ~10% of a batch-1
+// decode step of the 0.5B model. And the whole forward runs without the GIL, so the server's
+// event loop does not take turns with it. Activations stay fp32 throughout: a bf16 model keeps
+// bf16 weights (read by the AVX512-BF16 kernel, which takes bf16 rows, where the build has it) and a bf16 KV cache.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
+#include "decoder.h"
+#include "ops.h"
+#include "vec.h"
+
+namespace pdserve {
+
+namespace {
+
+// At least this many elements per thread: the glue loops below split only prefill-sized work.
+constexpr int64_t kGlueGrain = 1 << 16;
+
+// y (T, n) contiguous += bias (n): a plain loop instead of add_, whose set-up (a TensorIterator)
+// costs microseconds a call on the caches a forward leaves (under torch.profiler, 14% of the ATen
+// self time of 0.5B batch-1 steps).
+// Biased linears (Qwen2's qkv, OPT's) have n = heads x head_dim or hidden = heads x head_dim,
+// a multiple of 16 (and so of kVec) for every head size the attention kernels take.
+void add_bias(torch::Tensor& y, const torch::Tensor& bias) {
+  const int64_t T = y.size(0), n = y.size(1);
+  TORCH_CHECK(n % 16 == 0 && bias.numel() == n, "bias of ", bias.numel(), " for rows of ", n);
+  float* out = y.data_ptr<float>();
+  const float* b = bias.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, kGlueGrain / n), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < n; c += kVec)
+        (fVec::loadu(out + t * n + c) + fVec::loadu(b + c)).store(out + t * n + c);
+  });
+}
+
+// A PackedLinear's forward (backends/cpu/packed_linear.py) for fp32 activations: k-pair panels (32
+// wide) take the rows in bf16.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                     const torch::Tensor& bias, int64_t n) {
+  auto y = packed.size(2) == 32 ? packed_linear_bf16_pairs(x.to(at::kBFloat16), packed) : packed_linear(x, packed, scale);
+  if (y.size(1) != n) y = y.narrow(1, 0, n).contiguous();
+  if (bias.numel()) add_bias(y, bias);
+  return y;
+}
+
+// PagedAttention.forward (layers/attention.py) on the kernels: write this step's K/V to their
+// slots, then the decodes and the prefill chunks. q: (T, H, D), k, v: (T, Hkv, D). Returns (T, H * D).
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+                        torch::Tensor& v_cache, const AttentionStep& s, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), num_decodes = s.decode_tables.size(0);
+  write_cache(k_cache, k, s.slot_mapping);
+  write_cache(v_cache, v, s.slot_mapping);
+  auto qf = q.contiguous();
+  auto decode = [&](const torch::Tensor& rows) {   // the decode rows' queries -> their outputs
+    return paged_decode_attention(rows, k_cache, v_cache, s.decode_tables, s.decode_ctx, s.block_size, scale,
+                                  s.sliding_window);
+  };
+  if (num_decodes == T && s.decode_first_row == 0)   // decodes only: the kernel's output is the result
+    return decode(qf).view({T, H * D});
+  auto out = torch::empty({T, H, D}, q.options());
+  if (num_decodes > 0) {
+    if (s.decode_first_row >= 0)
+      out.narrow(0, s.decode_first_row, num_decodes).copy_(decode(qf.narrow(0, s.decode_first_row, num_decodes)));
+    else
+      out.index_copy_(0, s.decode_rows, decode(qf.index_select(0, s.decode_rows)));
+  }
+  if (s.prefill_q_lens.size(0) > 0)
+    paged_prefill_attention(qf, k_cache, v_cache, s.prefill_tables, s.prefill_starts, s.prefill_q_lens, s.prefill_ctx,
+                            out, s.block_size, scale, s.sliding_window);
+  return out.view({T, H * D});
+}
+
+void check_x(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (T, hidden) fp32");
+}
+
+// The layer's tensor `name`, or an empty tensor where it has none and may.
+torch::Tensor take(const std::map<std::string, torch::Tensor>& t, const std::string& name, bool required) {
+  auto it = t.find(name);
+  TORCH_CHECK_VALUE(it != t.end() || !required, "the decoder stack needs the tensor ", name);
+  return it == t.end() ? torch::Tensor() : it->second;
+}
+
+torch::Tensor fp32_vector(const torch::Tensor& t, int64_t n, const std::string& name) {
+  if (!t.defined() || t.numel() == 0) return torch::Tensor();
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+                    " must be a contiguous fp32 vector of ", n);
+  return t;
+}
+
+// A linear of `k` inputs and `n` outputs: 16-channel panels (N/16, K, 16), or k-pair panels
+// (N/16, K/2, 32) of bf16 (packed_linear.py's layouts).
+StackLinear take_linear(const std::map<std::string, torch::Tensor>& t, const std::string& name, int64_t k, int64_t n) {
+  StackLinear l{take(t, name + ".packed", true), take(t, name + ".scale", false), take(t, name + ".bias", false), n};
+  const auto& p = l.packed;
+  TORCH_CHECK_VALUE(p.dim() == 3 && (p.size(2) == 16 || (p.size(2) == 32 && p.scalar_type() == at::kBFloat16)),
+                    name, ".packed is not a packed weight");
+  const int64_t inputs = p.size(2) == 32 ? 2 * p.size(1) : p.size(1);
+  TORCH_CHECK_VALUE(inputs == k && p.size(0) * 16 >= n, name, " must take ", k, " inputs to ", n, " outputs, got ",
+                    inputs, " to ", p.size(0) * 16);
+  if (!l.scale.defined()) l.scale = torch::empty({0});
+  TORCH_CHECK_VALUE(l.scale.numel() == 0 || l.scale.numel() == p.size(0) * 16, name, ".scale has ", l.scale.numel(),
+                    " channels");
+  l.bias = fp32_vector(l.bias, n, name + ".bias");
+  if (!l.bias.defined()) l.bias = torch::empty({0});
+  return l;
+}
+
+StackNorm take_norm(const std::map<std::string, torch::Tensor>& t, const std::string& prefix, bool rms, int64_t n) {
+  StackNorm m{fp32_vector(take(t, prefix + "weight", rms), n, prefix + "weight"),
+              fp32_vector(take(t, prefix + "bias", false), n, prefix + "bias")};
+  TORCH_CHECK_VALUE(!rms || (m.weight.defined() && !m.bias.defined()), "an RMSNorm has a weight and no bias (",
+                    prefix, ")");
+  return m;
+}
+
+void check_names(const std::map<std::string, torch::Tensor>& t, const std::vector<std::string>& known) {
+  for (const auto& [name, _] : t)
+    TORCH_CHECK_VALUE(std::find(known.begin(), known.end(), name) != known.end(), "the decoder stack takes no tensor ",
+                      name);
+}
+
+}  // namespace
+
+// cache[slots[t]] = x[t] for each of the step's T tokens; x: (T, Hkv, D) fp32 with rows of Hkv x D
+// contiguous (a view of the qkv product), cache (num_slots, Hkv, D) fp32 or bf16 (rounded as .to()
+// rounds). What index_copy_ did, without its set-up per call.
+void write_cache(const torch::Tensor& cache, const torch::Tensor& x, const torch::Tensor& slots) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "K/V rows must be fp32 and contiguous");
+  const int64_t T = x.size(0), row = x.size(1) * x.size(2), stride = x.stride(0);
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(1) * cache.size(2) == row &&
+              (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16),
+              "an fp32 or bf16 cache with rows of ", row, " elements expected");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == T,
+              "one int64 slot per row expected");
+  const int64_t num_slots = cache.size(0);
+  const float* src = x.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " out of range");
+  at::parallel_for(0, T, std::max<int64_t>(1, kGlueGrain / row), [&](int64_t t0, int64_t t1) {
+    if (cache.scalar_type() == at::kFloat) {
+      float* dst = cache.data_ptr<float>();
+      for (int64_t t = t0; t < t1; ++t) std::memcpy(dst + slot[t] * row, src + t * stride, row * sizeof(float));
+    } else {
+      at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t i = 0; i < row; ++i) dst[slot[t] * row + i] = static_cast<at::BFloat16>(src[t * stride + i]);
+    }
+  });
+}
+
+AttentionStep AttentionStep::from_buffer(const torch::Tensor& buf, int64_t offset, int64_t num_tokens,
+                                         int64_t num_decodes, int64_t decode_blocks, int64_t decode_first_row,
+                                         int64_t num_prefills, int64_t prefill_blocks, int64_t block_size,
+                                         int64_t sliding_window) {
+  TORCH_CHECK(buf.dim() == 1 && buf.scalar_type() == at::kLong && buf.is_contiguous(), "buf must be 1-D int64");
+  auto next = [&](int64_t n) {
+    TORCH_CHECK(offset + n <= buf.size(0), "the step's metadata runs past its buffer");
+    auto t = buf.narrow(0, offset, n);
+    offset += n;
+    return t;
+  };
+  AttentionStep s;
+  s.slot_mapping = next(num_tokens);
+  s.decode_first_row = decode_first_row;
+  s.decode_ctx = next(num_decodes);
+  s.decode_rows = next(decode_first_row < 0 ? num_decodes : 0);
+  s.prefill_starts = next(num_prefills);
+  s.prefill_q_lens = next(num_prefills);
+  s.prefill_ctx = next(num_prefills);
+  s.decode_tables = next(num_decodes * decode_blocks).view({num_decodes, decode_blocks});
+  s.prefill_tables = next(num_prefills * prefill_blocks).view({num_prefills, prefill_blocks});
+  s.block_size = block_size;
+  s.sliding_window = sliding_window;
+  return s;
+}
+
+DecoderStack::DecoderStack(const std::vector<std::map<std::string, torch::Tensor>>& layers,
+                           const std::map<std::string, torch::Tensor>& final_norm, bool has_final_norm,
+                           std::string norm, std::string norm_position, bool rotary, std::string activation,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
+                           double eps, double scale)
+    : has_final_norm_(has_final_norm), rms_(norm == "rms"), pre_norm_(norm_position == "pre"), rotary_(rotary),
+      act_(std::move(activation)), H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate_size),
+      eps_(eps), scale_(scale) {
+  TORCH_CHECK_VALUE(norm == "rms" || norm == "layer", "norm must be rms or layer, got ", norm);
+  TORCH_CHECK_VALUE(pre_norm_ || norm_position == "post", "norm_position must be pre or post, got ", norm_position);
+  TORCH_CHECK_VALUE(act_ == "silu_and_mul" || act_ == "relu" || act_ == "gelu" || act_ == "silu",
+                    "activation must be silu_and_mul, relu, gelu or silu, got ", act_);
+  TORCH_CHECK_VALUE(pre_norm_ || !has_final_norm_, "a post-norm stack has no final norm");
+  TORCH_CHECK_VALUE(!layers.empty() && H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && I_ > 0, "bad decoder sizes");
+  const auto& qkv = take(layers[0], "qkv.packed", true);
+  hidden_ = qkv.dim() == 3 ? (qkv.size(2) == 32 ? 2 * qkv.size(1) : qkv.size(1)) : 0;
+  const std::vector<std::string> known = {
+      "attn_norm.weight", "attn_norm.bias", "mlp_norm.weight", "mlp_norm.bias", "qkv.packed", "qkv.scale",
+      "qkv.bias", "o.packed", "o.scale", "o.bias", "up.packed", "up.scale", "up.bias", "down.packed",
+      "down.scale", "down.bias", "k_cache", "v_cache"};
+  for (const auto& t : layers) {
+    check_names(t, known);
+    StackLayer l;
+    l.attn_norm = take_norm(t, "attn_norm.", rms_, hidden_);
+    l.mlp_norm = take_norm(t, "mlp_norm.", rms_, hidden_);
+    l.qkv = take_linear(t, "qkv", hidden_, (H_ + 2 * Hkv_) * D_);
+    l.o = take_linear(t, "o", H_ * D_, hidden_);
+    l.up = take_linear(t, "up", hidden_, act_ == "silu_and_mul" ? 2 * I_ : I_);
+    l.down = take_linear(t, "down", I_, hidden_);
+    l.k_cache = take(t, "k_cache", true);
+    l.v_cache = take(t, "v_cache", true);
+    for (const auto& c : {l.k_cache, l.v_cache})
+      TORCH_CHECK_VALUE(c.dim() == 3 && c.size(1) == Hkv_ && c.size(2) == D_ && c.is_contiguous() &&
+                        (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16),
+                        "a KV cache view must be (slots, ", Hkv_, ", ", D_, ") fp32 or bf16");
+    layers_.push_back(std::move(l));
+  }
+  check_names(final_norm, {"weight", "bias"});
+  if (has_final_norm_) final_norm_ = take_norm(final_norm, "", rms_, hidden_);
+  TORCH_CHECK_VALUE(has_final_norm_ || final_norm.empty(), "final-norm tensors given for a stack without one");
+}
+
+// The norm of fp32 rows x (a new tensor).
+torch::Tensor DecoderStack::norm(const torch::Tensor& x, const StackNorm& n) const {
+  if (rms_) return rms_norm(x, n.weight, eps_);
+  auto maybe = [](const torch::Tensor& t) { return t.defined() ? std::optional<torch::Tensor>(t) : std::nullopt; };
+  return at::layer_norm(x, {hidden_}, maybe(n.weight), maybe(n.bias), eps_);
+}
+
+// residual += x; returns the norm of the sum (RMSNorm in place in x: x is this step's scratch).
+torch::Tensor DecoderStack::add_norm(torch::Tensor& x, torch::Tensor& residual, const StackNorm& n) const {
+  if (rms_) {
+    fused_add_rms_norm(x, residual, n.weight, eps_);
+    return x;
+  }
+  residual.add_(x);
+  return norm(residual, n);
+}
+
+torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const AttentionStep& step) {
+  check_x(x);
+  TORCH_CHECK(x.size(1) == hidden_, "x must have rows of ", hidden_);
+  const int64_t T = x.size(0), H = H_, Hkv = Hkv_, D = D_;
+  torch::Tensor residual;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto& w = layers_[i];
+    // pre-norm (Llama, OPT-125m): the norm of the stream before each block, the block's output
+    // added at the next norm; post-norm (OPT-350m): x = norm(x + block(x)) after each block
+    torch::Tensor h = x;
+    if (pre_norm_) {
+      if (i == 0) {
+        residual = x;
+        h = norm(x, w.attn_norm);
+      } else {
+        h = add_norm(x, residual, w.attn_norm);
+      }
+    }
+    auto qkv = linear(h, w.qkv.packed, w.qkv.scale, w.qkv.bias, w.qkv.n);
+    auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
+    auto k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
+    auto v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
+    if (rotary_) rotary_embedding(q, k, cos, sin);
+    auto o = linear(attention(q, k, v, w.k_cache, w.v_cache, step, scale_), w.o.packed, w.o.scale, w.o.bias, w.o.n);
+    if (pre_norm_) {
+      h = add_norm(o, residual, w.mlp_norm);
+    } else {
+      x = norm(x + o, w.attn_norm);
+      h = x;
+    }
+    auto u = linear(h, w.up.packed, w.up.scale, w.up.bias, w.up.n);
+    u = act_ == "silu_and_mul" ? silu_and_mul(u) : act_ == "relu" ? at::relu(u) : act_ == "gelu" ? at::gelu(u)
+                                                                                              : at::silu(u);
+    auto d = linear(u, w.down.packed, w.down.scale, w.down.bias, w.down.n);
+    x = pre_norm_ ? d : norm(x + d, w.mlp_norm);
+  }
+  if (!pre_norm_) return x;
+  if (has_final_norm_) return add_norm(x, residual, final_norm_);
+  residual.add_(x);
+  return residual;
+}
+
+}  // namespace pdserve

@@ -1,0 +1,84 @@
+"""The CPU kernels' versions of the torch layers, for a model that runs its modules layer by layer
+(one the decoder stack cannot run). prepare_model swaps each module's class for its subclass
+here: same state, a forward on the kernels where the input suits them (fp32 rows), the torch
+layer's otherwise."""
+import torch
+from torch import nn
+
+from pdserve.backends.cpu.kernels import cpu_ops
+from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.attention import PagedAttention, get_attention_metadata
+from pdserve.layers.layernorm import RMSNorm
+from pdserve.layers.rotary import Rope, RotaryEmbedding
+
+
+class CpuSiluAndMul(SiluAndMul):
+    """One pass of kernels/activation_cpu.cpp."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return super().forward(x)
+        y = cpu_ops().silu_and_mul(x.reshape(-1, x.shape[-1]).contiguous())
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class CpuRMSNorm(RMSNorm):
+    """kernels/norm_cpu.cpp: the residual add and the norm in one pass, in place."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dtype != torch.float32 or x.dim() != 2:
+            return super().forward(x, residual)
+        x = x.contiguous()
+        if residual is None:
+            return cpu_ops().rms_norm(x, self.weight, self.eps)
+        cpu_ops().fused_add_rms_norm(x, residual, self.weight, self.eps)   # x is this step's scratch
+        return x, residual
+
+
+class CpuRotaryEmbedding(RotaryEmbedding):
+    """Its fp32 Rope rotates q and k in place by kernels/rotary_cpu.cpp."""
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        rope = super().lookup(positions, dtype)
+        return rope._replace(rotate=cpu_ops().rotary_embedding) if dtype == torch.float32 else rope
+
+
+class CpuPagedAttention(PagedAttention):
+    """kernels/attention_cpu.cpp (decodes) and prefill_attention_cpu.cpp (prefill chunks) over the
+    cache in place, where the step's metadata is the kernels' (an AttentionStep)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = get_attention_metadata()
+        if meta.step is None:
+            return super().forward(q, k, v)
+        self.k_cache.index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        return self._kernels(q, meta.step)
+
+    def _kernels(self, q: torch.Tensor, s) -> torch.Tensor:
+        """The kernels compute and write fp32: a bf16 model's output is converted once, at the end."""
+        out = torch.empty(q.shape, dtype=torch.float32)
+        qf = q.float().contiguous()
+        B = s.decode_ctx.shape[0]
+        if B:   # decodes: one query each, rows first_row.. (a slice) or decode_rows
+            rows = s.decode_rows if s.decode_first_row < 0 else slice(s.decode_first_row, s.decode_first_row + B)
+            out[rows] = cpu_ops().paged_decode_attention(qf[rows].contiguous(), self.k_cache, self.v_cache,
+                                                         s.decode_tables, s.decode_ctx, s.block_size, self.scale,
+                                                         s.sliding_window)
+        if s.prefill_q_lens.shape[0]:   # prefill chunks, written into out in place
+            cpu_ops().paged_prefill_attention(qf, self.k_cache, self.v_cache, s.prefill_tables, s.prefill_starts,
+                                              s.prefill_q_lens, s.prefill_ctx, out, s.block_size, self.scale,
+                                              s.sliding_window)
+        return out.to(q.dtype).reshape(q.shape[0], -1)
+
+
+KERNEL_LAYERS = {SiluAndMul: CpuSiluAndMul, RMSNorm: CpuRMSNorm, RotaryEmbedding: CpuRotaryEmbedding}
+
+
+def use_kernel_layers(model: nn.Module, attention: bool) -> None:
+    """Swap the class of each layer that has a kernel version (its state is unchanged); the paged
+    attention too where the attention kernels take the model's head size."""
+    swaps = {**KERNEL_LAYERS, **({PagedAttention: CpuPagedAttention} if attention else {})}
+    for m in model.modules():
+        if type(m) in swaps:
+            m.__class__ = swaps[type(m)]
