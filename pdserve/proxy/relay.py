@@ -9,7 +9,6 @@ error event and `[DONE]`, as pdserve's own streams end on an error. A client tha
 the call in progress: the worker sees its connection close and aborts the request (a decode
 worker then releases the prefill worker's lease).
 """
-import asyncio
 import json
 import logging
 import time
@@ -164,22 +163,22 @@ class Proxy:
     async def answer(self, endpoint: str, work, arrival: float) -> Response:
         """The response of `work` (complete or stream), with refusals and failures turned into
         responses, and the outcome counted (a relayed stream counts its own when it ends)."""
+        outcome = "cancelled"   # unless `work` ends
         try:
             response = await work
+            outcome = None if isinstance(response, RelayedStream) else "success"
+            return response
         except Refused as r:
-            self.metrics.outcome(endpoint, "client_error" if r.status < 500 else "worker_error")
+            outcome = "client_error" if r.status < 500 else "worker_error"
             return r.response()
         except WorkerFailure as f:
             log.warning("%s: %s", endpoint, f.message)
-            self.metrics.outcome(endpoint, f.outcome)
+            outcome = f.outcome
             return f.response()
-        except asyncio.CancelledError:
-            self.metrics.outcome(endpoint, "cancelled")
-            raise
-        if not isinstance(response, RelayedStream):
-            self.metrics.outcome(endpoint, "success")
-            self.metrics.e2e.observe(time.perf_counter() - arrival)
-        return response
+        finally:
+            if outcome is not None:
+                self.metrics.outcome(endpoint, outcome)
+                self.metrics.e2e.observe(time.perf_counter() - arrival)
 
 
 class RelayedStream(StreamingResponse):

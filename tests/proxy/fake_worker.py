@@ -12,6 +12,8 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.server.streaming import unless_disconnected
+
 LEASES: dict[str, str] = {}   # remote_request_id -> the prefill worker's engine id, while held
 _ids = itertools.count()
 
@@ -45,14 +47,14 @@ class FakeWorker:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            return await self._generate(await request.json(), chat=False)
+            return await self._generate(request, await request.json(), chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
-            return await self._generate(await request.json(), chat=True)
+            return await self._generate(request, await request.json(), chat=True)
         return app
 
-    async def _generate(self, body: dict, chat: bool):
+    async def _generate(self, request: Request, body: dict, chat: bool):
         self.bodies.append(body)
         if self.behaviour == "refuse":
             status, param = self.refusal
@@ -78,16 +80,17 @@ class FakeWorker:
         if not body.get("stream"):
             if self.behaviour == "die":   # a response started, then the process is gone
                 return StreamingResponse(self._die_after(b'{"id": "x", "choi'), media_type="application/json")
-            await self._decode_time(params, n)
-            return JSONResponse(answer(body, chat, n))
+            # as pdserve's server: a client that leaves cancels the wait (and the request)
+            return await unless_disconnected(request, self._plain(body, chat, n, params))
         return StreamingResponse(self._events(body, chat, n, params), media_type="text/event-stream")
 
-    async def _decode_time(self, params: dict, n: int) -> None:
+    async def _plain(self, body: dict, chat: bool, n: int, params: dict) -> JSONResponse:
         self.running += 1
         done = False
         try:
             await asyncio.sleep(self.token_delay * n)
             done = True
+            return JSONResponse(answer(body, chat, n))
         finally:
             self.running -= 1
             self.aborted += not done
