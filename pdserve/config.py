@@ -154,6 +154,22 @@ class EngineConfig:
     slo_admission: str = option("serve", "slo policy: reject refuses at once (503 slo_unattainable) a request "
                                 "whose TTFT target the step-time model says cannot be met; serve queues it anyway",
                                 choices=["serve", "reject"])
+    # prefill/decode disaggregation (pdserve/kv_transfer/, docs/API.md)
+    role: str = option("both", "both: prefill and decode here (no KV transfer); prefill: also keep the prompt blocks of "
+                       "kv_transfer_params.do_remote_decode requests for a decode worker to pull; decode: also admit "
+                       "requests whose prompt KV is pulled from a prefill worker (kv_transfer_params.do_remote_prefill)",
+                       choices=["both", "prefill", "decode"])
+    kv_transport: str = option("tcp", "how a decode worker pulls the KV: tcp (framed, checksummed; between machines) or "
+                               "shm (shared memory, both workers on one host); set on the prefill worker",
+                               choices=["tcp", "shm"])
+    kv_transfer_host: str = option("127.0.0.1", "prefill role: address the KV listener binds and advertises "
+                                   "(0.0.0.0: every interface, advertised as this host's address)", metavar="HOST")
+    kv_transfer_port: int = option(0, "prefill role: TCP port of the KV listener (0: any free port; GET /v1/kv_transfer "
+                                   "says which)", min=0, metavar="PORT")
+    kv_lease_s: float = option(60.0, "prefill role: seconds a finished request's prompt blocks are kept for a decode "
+                               "worker to pull before they are freed", metavar="SECONDS")
+    kv_load_failure_policy: str = option("recompute", "decode role: when pulling a prompt's KV fails, recompute the "
+                                         "prompt here, or fail the request", choices=["recompute", "fail"])
 
     def __post_init__(self):
         if self.device is None:
@@ -180,6 +196,16 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not 0 < v < float("inf"):
                 raise ConfigError(f"{name} must be a number of milliseconds > 0, got {v!r}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ConfigError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.kv_transport not in ("tcp", "shm"):
+            raise ConfigError(f"kv_transport must be tcp or shm, got {self.kv_transport!r}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ConfigError(f"kv_load_failure_policy must be recompute or fail, got {self.kv_load_failure_policy!r}")
+        if not isinstance(self.kv_transfer_port, int) or not 0 <= self.kv_transfer_port < 65536:
+            raise ConfigError(f"kv_transfer_port must be a TCP port (0: any free one), got {self.kv_transfer_port!r}")
+        if not 0 < self.kv_lease_s < float("inf"):
+            raise ConfigError(f"kv_lease_s must be a number of seconds > 0, got {self.kv_lease_s!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -38,6 +38,8 @@ class SamplingParams:
     cache_salt: str | None = None
     # priority and TTFT/TPOT targets, read by the scheduling policy (pdserve/engine/policy.py)
     objectives: RequestObjectives | None = None
+    # prefill/decode disaggregation (vLLM carries it in extra_args): pdserve.kv_transfer.KVTransferParams
+    kv_transfer_params: object | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -21,10 +21,13 @@ from pdserve.engine.profiler import StepProfiler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import RequestError, SLOUnattainable
+from pdserve.kv_transfer import make_connector
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pdserve.engine")
+# a step with nothing to run waits this long at most for a KV pull to end or a lease to be released
+IDLE_WAIT_S = 0.01
 
 
 class LLMEngine:
@@ -50,8 +53,11 @@ class LLMEngine:
         if self.cost_model is not None:
             self.calibrate_cost_model()
         policy = make_policy(c.scheduling_policy, self.cost_model, c.max_num_batched_tokens, c.slo_admission)
+        # prefill/decode roles: the KV connector (None with --role both)
+        self.kv_dtype = str(self.runner.dtype).removeprefix("torch.")
+        self.connector = make_connector(c, self.runner.kv_cache, self.kv_dtype)
         self.scheduler = Scheduler(self.block_manager, c.max_num_batched_tokens, c.max_num_seqs,
-                                   c.max_prefill_tokens_with_decodes, policy)
+                                   c.max_prefill_tokens_with_decodes, policy, self.connector)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); prefix caching %s", self.runner.num_blocks,
                     c.block_size, self.runner.num_blocks * self.runner.bytes_per_block / 2**20,
                     "on" if c.enable_prefix_caching else "off")
@@ -83,11 +89,48 @@ class LLMEngine:
         tpot_ms = obj.tpot_ms if obj is not None and obj.tpot_ms is not None else c.slo_tpot_ms
         seq.metrics.ttft_target = None if ttft_ms is None else ttft_ms / 1e3
         seq.metrics.tpot_target = None if tpot_ms is None else tpot_ms / 1e3
+        kv = params.kv_transfer_params
+        if kv is not None and kv.active:
+            self._check_kv_transfer(seq, kv)
         why = self.scheduler.policy.refuse(seq, self.scheduler, time.perf_counter())
         if why is not None:
             raise SLOUnattainable(why)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _check_kv_transfer(self, seq: Sequence, kv) -> None:
+        role = self.config.role
+        if kv.do_remote_decode and role != "prefill":
+            raise RequestError(f"kv_transfer_params.do_remote_decode needs a --role prefill worker; this one is "
+                               f"--role {role}", param="kv_transfer_params.do_remote_decode")
+        if not kv.do_remote_prefill:
+            return
+        if role != "decode":
+            raise RequestError(f"kv_transfer_params.do_remote_prefill needs a --role decode worker; this one is "
+                               f"--role {role}", param="kv_transfer_params.do_remote_prefill")
+        for name, mine in (("block_size", self.config.block_size), ("dtype", self.kv_dtype)):
+            theirs = getattr(kv, name)
+            if theirs is not None and theirs != mine:
+                raise RequestError(f"kv_transfer_params.{name} {theirs!r} does not match this worker's {mine!r}: "
+                                   "the prefill and decode workers must have the same", param=f"kv_transfer_params.{name}")
+        if kv.num_tokens != seq.num_prompt_tokens:
+            raise RequestError(f"kv_transfer_params.num_tokens {kv.num_tokens} does not match the prompt's "
+                               f"{seq.num_prompt_tokens} tokens here (not the prefill worker's prompt)",
+                               param="kv_transfer_params.num_tokens")
+        seq.kv_transfer = kv
+
+    def kv_transfer_info(self) -> dict:
+        """What GET /v1/kv_transfer answers: the role and where this worker's KV can be pulled from."""
+        info = self.connector.info() if self.connector is not None else {
+            "role": "both", "engine_id": None, "block_size": self.config.block_size, "dtype": self.kv_dtype,
+            "transport": None, "kv_host": None, "kv_port": None}
+        return {**info, "model": self.model_name}
+
+    def close(self) -> None:
+        """Stop the KV listener and pulls; free the blocks kept under leases."""
+        if self.connector is not None:
+            for seq in self.connector.close():
+                self.block_manager.free(seq)
 
     @property
     def kv_capacity(self) -> int:
@@ -104,12 +147,18 @@ class LLMEngine:
         self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return (self.scheduler.has_unfinished() or bool(self._aborted)
+                or (self.connector is not None and self.connector.has_pending()))
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_free_blocks,
-                           bm.num_blocks, bm.num_queries, bm.num_hits)
+        sc, kv = self.scheduler, {}
+        if self.connector is not None:
+            t = self.connector.stats
+            kv = dict(kv_transfer_bytes=t.bytes, kv_transfer_seconds=t.seconds, kv_transfers=t.transfers,
+                      kv_transfer_failures=t.failures, kv_leases=len(self.connector.leases or ()))
+        return EngineStats(len(sc.running), len(sc.waiting) + len(sc.loading), bm.num_free_blocks,
+                           bm.num_blocks, bm.num_queries, bm.num_hits, **kv)
 
     def reset_prefix_cache(self) -> dict:
         """Forget the cached blocks no request holds (BlockManager.reset_prefix_cache)."""
@@ -118,12 +167,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._finish(seq, None) for seq in self._aborted]
         self._aborted = []
+        if self.connector is not None:
+            self._poll_connector(outputs)
         start = time.perf_counter()
         sched = None
         try:
             sched = self.scheduler.schedule(start)
+            if self.connector is not None:
+                self.connector.start_load_kv()
             scheduled = time.perf_counter()
             if not sched.seqs:
+                if not outputs and self.connector is not None and self.connector.has_pending():
+                    self.connector.wait_for_load(IDLE_WAIT_S)   # nothing to run until a pull ends
                 return outputs
             if self.fault_hook is not None:
                 self.fault_hook(sched)
@@ -148,8 +203,13 @@ class LLMEngine:
                     logger.exception("request %s failed in this step; only it fails", seq.request_id)
                     failed.append(seq)
                     continue
-                self.scheduler.finish(seq, seq.finish_reason)   # frees its blocks in this step
-                outputs.append(self._finish(seq, token))
+                kept = self.connector.request_finished(seq) if self.connector is not None else None
+                self.scheduler.finish(seq, seq.finish_reason, free_blocks=kept is None)   # in this step
+                if kept is not None:   # a prefill worker's: leased to a decode worker
+                    self.connector.save_kv(seq)
+                out = self._finish(seq, token)
+                out.kv_transfer_params = kept
+                outputs.append(out)
             if failed:
                 self._fail(failed, outputs)
         except Exception:
@@ -171,6 +231,27 @@ class LLMEngine:
         if self.profiler is not None:
             self.profiler.add(self.last_step)
         return outputs
+
+    def _poll_connector(self, outputs: list[RequestOutput]) -> None:
+        """Free the blocks of leases that ended; resume (or fail) the sequences whose pull ended."""
+        loads, freed = self.connector.get_finished()
+        for seq in freed:
+            self.block_manager.free(seq)
+        for r in loads:
+            seq = r.seq
+            if seq.is_finished:   # aborted while its pull ran: the blocks are free to go now
+                self.block_manager.free(seq)
+            elif r.error is None:
+                self.scheduler.resume_loaded(seq, r.end)
+            else:
+                policy = self.config.kv_load_failure_policy
+                logger.warning("request %s: pulling its prompt KV failed (%s); %s", seq.request_id, r.error,
+                               "recomputing the prompt here" if policy == "recompute" else "failing it")
+                self.scheduler.resume_loaded(seq, r.start)   # what was cached here is still valid
+                if policy == "fail":
+                    self._fail([seq], outputs)
+                    outputs[-1].kv_transfer_params = {"error": f"pulling the prompt's KV cache from the prefill "
+                                                               f"worker failed: {r.error}"}
 
     def calibrate_cost_model(self) -> StepCostModel:
         """Fit self.cost_model on a few timed steps of fake sequences (seconds on a 0.5B CPU model).

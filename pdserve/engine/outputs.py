@@ -102,12 +102,12 @@ class RequestOutput:
     step, on caches the forward has just flushed, and a slotted object is one allocation with no
     dict (making one took 0.50 us warm as a dataclass with copy-on-read fields, 0.25 us so)."""
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "text", "new_token_ids", "new_text", "_logprobs",
-                 "finished", "finish_reason", "metrics", "stop_reason")
+                 "finished", "finish_reason", "metrics", "stop_reason", "kv_transfer_params")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: "list[int] | ListPrefix", text: str,
                  new_token_ids: list[int], new_text: str, logprobs: "list[dict[int, float]] | ListPrefix | None",
                  finished: bool, finish_reason: str | None, metrics: RequestMetrics,
-                 stop_reason: str | int | None = None):
+                 stop_reason: str | int | None = None, kv_transfer_params: dict | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids   # shared by all outputs of the request: do not mutate
         self._token_ids = token_ids        # all generated so far (a ListPrefix until read)
@@ -120,6 +120,8 @@ class RequestOutput:
         self.finish_reason = finish_reason   # "stop" (EOS, stop string or stop token), "length", "abort", "error"
         self.metrics = metrics
         self.stop_reason = stop_reason     # the stop string or stop token id that ended it, if any
+        # a prefill worker's final output: where a decode worker pulls its prompt KV from (or {"error": ...})
+        self.kv_transfer_params = kv_transfer_params
 
     @property
     def token_ids(self) -> list[int]:
@@ -168,6 +170,13 @@ class EngineStats:
     num_total_blocks: int
     prefix_cache_queries: int = 0   # totals since start, in tokens
     prefix_cache_hits: int = 0
+    # KV transfer (prefill/decode roles), totals since start: bytes moved, seconds spent moving them,
+    # transfers done and failed; and the leases a prefill worker holds now
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfers: int = 0
+    kv_transfer_failures: int = 0
+    kv_leases: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

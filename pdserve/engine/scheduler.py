@@ -23,6 +23,14 @@ What depends on the requests' objectives (waiting order, prefill order, a TPOT-d
 step's prefill tokens, the preemption victim, priority preemption) is the policy's
 (pdserve/engine/policy.py); with the default fcfs policy the rules above are the whole story.
 
+Remote prefill (a decode worker's KV connector, pdserve/kv_transfer/): a waiting request whose
+prompt KV a prefill worker holds is admitted without budget or seat: it gets blocks for its
+whole prompt and waits in `loading` (WAITING_FOR_REMOTE_KVS) while the connector pulls the KV
+into them in the background. When the pull ends it goes to the front of the queue still holding
+its blocks, with num_computed_tokens = the tokens loaded (a failed pull: what was cached here),
+and is admitted as a prefill of the rest (the last prompt token at least). Preempted later, it
+recomputes like any other sequence.
+
 The scheduler has no model: it can be tested with fake sequences and fake sampled tokens."""
 from collections import deque
 from dataclasses import dataclass, field
@@ -60,7 +68,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_prefill_tokens_with_decodes: int = 0, policy: FCFSPolicy | None = None):
+                 max_prefill_tokens_with_decodes: int = 0, policy: FCFSPolicy | None = None, connector=None):
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -68,12 +76,14 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
         self.policy = policy or FCFSPolicy()
+        self.connector = connector   # a KVConnectorBase, or None: no remote KV
+        self.loading: dict[str, Sequence] = {}   # WAITING_FOR_REMOTE_KVS, by request id
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -127,17 +137,30 @@ class Scheduler:
         while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted):
             seq = self.waiting[0]
-            hits = self.block_manager.find_cached(seq)   # [] with the prefix cache off
-            computed = len(hits) * block_size
-            n = min(seq.num_tokens - computed, budget, prefill_budget)
-            if not self.block_manager.can_allocate(seq, computed + n, hits):
-                break
-            self.waiting.popleft()
+            if seq.block_table:   # its blocks came with it: its prompt KV was pulled (or the pull failed)
+                computed = seq.num_computed_tokens
+                n = min(seq.num_tokens - computed, budget, prefill_budget)
+                if not self.block_manager.try_allocate(seq, computed + n):
+                    break
+                self.waiting.popleft()
+            else:
+                hits = self.block_manager.find_cached(seq)   # [] with the prefix cache off
+                computed = len(hits) * block_size
+                remote = self.connector.get_num_new_matched_tokens(seq, computed) if self.connector else 0
+                if remote:
+                    if not self.block_manager.can_allocate(seq, seq.num_prompt_tokens, hits):
+                        break
+                    self._park(seq, hits, remote, now)
+                    continue
+                n = min(seq.num_tokens - computed, budget, prefill_budget)
+                if not self.block_manager.can_allocate(seq, computed + n, hits):
+                    break
+                self.waiting.popleft()
+                self.block_manager.admit(seq, computed + n, hits)
             seq.status = SequenceStatus.RUNNING
             seq.prefill_len = seq.num_tokens
             seq.num_computed_tokens = computed
             self.running.append(seq)
-            self.block_manager.admit(seq, computed + n, hits)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
                 seq.metrics.num_cached_tokens = computed
@@ -165,6 +188,25 @@ class Scheduler:
             budget = min(cap, budget)
         return self.policy.prefill_cap(out, budget)
 
+    def _park(self, seq: Sequence, hits: list[int], remote: int, now: float) -> None:
+        """Admit seq to wait for `remote` prompt tokens' KV from a remote worker, holding its blocks."""
+        self.waiting.popleft()
+        self.block_manager.admit(seq, seq.num_prompt_tokens, hits)
+        seq.num_computed_tokens = len(hits) * self.block_manager.block_size
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[seq.request_id] = seq
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = now
+            seq.metrics.num_cached_tokens = seq.num_computed_tokens
+        self.connector.update_state_after_alloc(seq, remote)
+
+    def resume_loaded(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """seq's pull ended with its first num_computed_tokens in its blocks: to the front of the queue."""
+        del self.loading[seq.request_id]
+        seq.num_computed_tokens = num_computed_tokens
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: free the blocks, requeue at the front; its tokens are kept."""
         self.running.remove(seq)
@@ -174,12 +216,19 @@ class Scheduler:
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove a sequence for good (finished or aborted) and free its blocks."""
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
+        """Remove a sequence for good (finished or aborted) and free its blocks (free_blocks=False:
+        the caller keeps them). A sequence still loading keeps them until its pull has ended
+        (the connector's result says when): the pull may be writing into them."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        elif seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            del self.loading[seq.request_id]
+            self.connector.cancel(seq)
+            free_blocks = False
+        if free_blocks:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

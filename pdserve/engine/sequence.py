@@ -14,6 +14,7 @@ from pdserve.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"   # holds its blocks while its prompt KV is pulled
     FINISHED = "finished"
 
 
@@ -27,7 +28,7 @@ class Sequence:
                  "num_computed_tokens", "prefill_len", "block_table", "metrics", "finish_reason", "stop_reason",
                  "logprobs", "argmax_only", "final_only", "stop_ids", "max_len", "generator", "detokenizer", "text",
                  "sent_text_len", "text_tokens", "defer_text", "block_hashes", "num_cached_blocks", "cache_parent",
-                 "priority", "stop_token_ids", "min_tokens_banned", "matcher")
+                 "priority", "stop_token_ids", "min_tokens_banned", "matcher", "kv_transfer")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
         self.request_id = request_id
@@ -68,6 +69,8 @@ class Sequence:
         # constrained decoding: the llguidance matcher of params.grammar (set by new_sequence);
         # a constrained sequence is never argmax_only, so its mask is always applied
         self.matcher = None
+        # decode role: the KVTransferParams of a prompt KV still to pull (None once the pull is noted)
+        self.kv_transfer = None
         # per-request RNG: a seeded request samples the same tokens whatever else is in the batch
         self.generator: torch.Generator | None = None
         # set by the OutputProcessor: generated text so far, and how much of it was streamed

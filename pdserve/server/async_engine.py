@@ -46,6 +46,11 @@ class StepFailed(APIError):
                          type="server_error", code="engine_error")
 
 
+class KVTransferFailed(APIError):
+    def __init__(self, why: str):
+        super().__init__(502, why + " (--kv-load-failure-policy fail)", type="server_error", code="kv_transfer_failed")
+
+
 class EngineThread:
     """One daemon thread that runs the calls it is given, in order: building the engine, then its loop.
 
@@ -102,7 +107,8 @@ class Submission:
             if item.finished:
                 self.unfinished.discard(item.request_id)
                 if item.finish_reason == "error":
-                    raise StepFailed()
+                    kv = item.kv_transfer_params
+                    raise KVTransferFailed(kv["error"]) if kv and "error" in kv else StepFailed()
             yield item
         self._stop_timer()
 

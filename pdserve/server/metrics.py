@@ -66,6 +66,13 @@ class ServerMetrics:
         self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._cache_seen = (0, 0)
+        # prefill/decode roles: KV bytes this worker sent (prefill) or pulled (decode), and the time it took
+        self.kv_bytes = counter("kv_transfer_bytes", "Bytes of prompt KV cache moved to or from another worker.")
+        self.kv_seconds = counter("kv_transfer_seconds", "Seconds spent moving prompt KV cache (sum over transfers).")
+        self.kv_transfers = counter("kv_transfers", "Prompt KV transfers completed.")
+        self.kv_failures = counter("kv_transfer_failures", "Prompt KV transfers that failed.")
+        self.kv_leases = gauge("kv_leases", "Finished requests whose prompt blocks are kept for a decode worker.")
+        self._kv_seen = (0, 0.0, 0, 0)
         self._window = [time.monotonic(), 0, 0, 0, 0]   # start, prefill and decode tokens, cache queries, hits
         # objectives (docs/API.md): attainment per phase; the rate of request_goodput is goodput
         self.slo_requests = counter("request_slo", "Finished requests with a target for the phase (aborts "
@@ -110,6 +117,14 @@ class ServerMetrics:
             self._cache_seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
             self._window[3] += queries
             self._window[4] += hits
+        kv = (stats.kv_transfer_bytes, stats.kv_transfer_seconds, stats.kv_transfers, stats.kv_transfer_failures)
+        if kv != self._kv_seen:
+            for c, now, seen in zip((self.kv_bytes, self.kv_seconds, self.kv_transfers, self.kv_failures), kv,
+                                    self._kv_seen):
+                if now > seen:
+                    c.inc(now - seen)
+            self._kv_seen = kv
+        self.kv_leases.set(stats.kv_leases)
         if time.monotonic() - self._window[0] >= LOG_INTERVAL_S:
             self._log_window(stats)
         for out in outputs:

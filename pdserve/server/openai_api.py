@@ -82,6 +82,20 @@ def _head(request_id: str, object: str, s: ServerState) -> dict:
     return {"id": request_id, "object": object, "created": int(time.time()), "model": s.config.served_model_name}
 
 
+def _check_remote_decode(body, num_seqs: int) -> None:
+    """A prefill worker's request (kv_transfer_params.do_remote_decode) leases one prompt's blocks
+    and returns where they are in its one response body."""
+    if body.remote_decode and (num_seqs != 1 or body.stream):
+        raise RequestError("kv_transfer_params.do_remote_decode needs one prompt, n 1 and stream false",
+                           param="kv_transfer_params.do_remote_decode")
+
+
+def _kv_transfer(choices: list[RequestOutput]) -> dict:
+    """The prefill worker's kv_transfer_params, at the top level of its response (as vLLM's)."""
+    params = choices[0].kv_transfer_params if len(choices) == 1 else None
+    return {"kv_transfer_params": params} if params is not None else {}
+
+
 def _refuse_unsupported(body, fields: tuple[str, ...]) -> None:
     for f in fields:
         if getattr(body, f) is not None:
@@ -101,6 +115,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.echo and body.logprobs is not None:
         raise RequestError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
     num_seqs = (1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)) * body.n
+    _check_remote_decode(body, num_seqs)
     s.check_queue(num_seqs, "n" if body.n > 1 else "prompt")   # before the tokenizer: a full queue is refused at once
     grammar = body.grammar_spec()
     await check_grammar(s.engine, grammar)
@@ -149,7 +164,7 @@ async def _completion_response(s, body, sub, head, prompts, echo) -> Response:
                                                                         body.logprobs, 0)
             res.append({"index": i, "text": echo[i] + c.text, "logprobs": lp, **_ending(c)})
         usage = _usage(prompts, sum(len(c.token_ids) for c in choices), _cached(choices, body.n))
-        return {**head, "choices": res, "usage": usage}
+        return {**head, "choices": res, "usage": usage, **_kv_transfer(choices)}
     return await _json_response(s, choices, body.logprobs, build)
 
 
@@ -225,6 +240,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s.check_logprobs(body.top_logprobs, "top_logprobs")
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    _check_remote_decode(body, body.n)
     s.check_queue(body.n)   # before the template and the tokenizer: a full queue is refused at once
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.max_completion_tokens is not None or body.max_tokens is not None:
@@ -281,7 +297,7 @@ async def _chat_response(s, body, sub, head, prompt, tools) -> Response:
             lp = {"content": chat_logprobs(s.tokenizer, c.token_ids, c.logprobs, k)} if body.logprobs else None
             res.append({"index": i, "message": message, "logprobs": lp, **ending})
         usage = _usage([prompt], sum(len(c.token_ids) for c in choices), _cached(choices, body.n))
-        return {**head, "choices": res, "usage": usage}
+        return {**head, "choices": res, "usage": usage, **_kv_transfer(choices)}
     return await _json_response(s, choices, k if body.logprobs else None, build)
 
 

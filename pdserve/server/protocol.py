@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, WithJsonSchema, field_validator
 
+from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.objectives import RequestObjectives
 
 from pdserve.server.structured import StructuredFields
@@ -28,6 +29,21 @@ class SLOTargets(_Strict):
     """Per-phase latency targets of one request, in milliseconds (None: the server's default)."""
     ttft_ms: StrictFloat | StrictInt | None = None
     tpot_ms: StrictFloat | StrictInt | None = None
+
+
+class KVTransferFields(_Strict):
+    """kv_transfer_params (vLLM's disaggregated-serving field; pdserve/kv_transfer/params.py checks
+    the combinations). Other connectors' keys are ignored."""
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: StrictInt | None = None
+    remote_request_id: str | None = None
+    num_tokens: StrictInt | None = None
+    transport: Literal["tcp", "shm"] = "tcp"
+    block_size: StrictInt | None = None
+    dtype: str | None = None
 
 
 class _SamplingFields(_Strict, StructuredFields):
@@ -55,6 +71,7 @@ class _SamplingFields(_Strict, StructuredFields):
     # vLLM's priority (lower runs first; --scheduling-policy priority) and pdserve's per-phase targets
     priority: StrictInt = 0
     slo: SLOTargets | None = None
+    kv_transfer_params: KVTransferFields | None = None   # prefill/decode disaggregation (docs/API.md)
 
     @property
     def include_usage(self) -> bool:
@@ -70,7 +87,13 @@ class _SamplingFields(_Strict, StructuredFields):
         if self.priority or self.slo is not None:   # ranges checked by RequestObjectives (400 naming the field)
             slo = self.slo or SLOTargets()
             kw["objectives"] = RequestObjectives(self.priority, slo.ttft_ms, slo.tpot_ms)
+        if self.kv_transfer_params is not None:   # combinations checked by KVTransferParams (400 naming the field)
+            kw["kv_transfer_params"] = KVTransferParams(**self.kv_transfer_params.model_dump(exclude_none=True))
         return kw
+
+    @property
+    def remote_decode(self) -> bool:
+        return self.kv_transfer_params is not None and self.kv_transfer_params.do_remote_decode
 
     @property
     def stop_list(self) -> list[str]:

@@ -65,6 +65,17 @@ async def reset_prefix_cache(request: Request):
     return await s.async_engine.call(reset)
 
 
+@router.get("/v1/kv_transfer")
+async def kv_transfer(request: Request):
+    """This worker's prefill/decode role and KV layout, for a proxy pairing workers (docs/API.md)."""
+    s = get_state(request)
+    info = getattr(s.engine, "kv_transfer_info", None)
+    if info is None:   # a baseline backend: no paged cache to transfer
+        return {"role": "both", "engine_id": None, "block_size": None, "dtype": None, "transport": None,
+                "kv_host": None, "kv_port": None, "model": s.config.served_model_name}
+    return {**info(), "model": s.config.served_model_name}
+
+
 @router.get("/metrics")
 async def metrics(request: Request):
     return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)

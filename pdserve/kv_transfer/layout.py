@@ -1,0 +1,76 @@
+"""Where a sequence's K/V bytes lie in a worker's paged cache, by token position.
+
+ModelRunner.kv_cache is [2, num_layers, slots, kv_heads, head_dim]: one token's K (or V) of one
+layer is a contiguous row of kv_heads * head_dim values, and a block's rows are consecutive
+slots. The two workers' block tables differ, so both sides turn the same token positions into
+runs of consecutive slots of their own table; a layer's payload is then K of every run, then V
+of every run, in position order, on either side."""
+import ctypes
+
+import torch
+
+
+def slot_runs(block_table: list[int], block_size: int, start: int, end: int) -> list[tuple[int, int]]:
+    """Positions [start, end) of a sequence as (first slot, count) runs of consecutive slots."""
+    runs: list[list[int]] = []
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        count = min(block_size - offset, end - pos)
+        slot = block_table[block] * block_size + offset
+        if runs and runs[-1][0] + runs[-1][1] == slot:   # the next block follows this one in memory
+            runs[-1][1] += count
+        else:
+            runs.append([slot, count])
+        pos += count
+    return [(s, c) for s, c in runs]
+
+
+class KVLayout:
+    """Reads and writes one layer's K/V of some slot runs, as bytes (CPU: views of the cache
+    itself, no copy; a GPU cache goes through host memory)."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        self.kv_cache = kv_cache
+        _, self.num_layers, self.num_slots, heads, dim = kv_cache.shape
+        self.row_bytes = heads * dim * kv_cache.element_size()
+        self.on_cpu = kv_cache.device.type == "cpu"
+        if self.on_cpu:
+            assert kv_cache.is_contiguous()
+            raw = (ctypes.c_char * (kv_cache.numel() * kv_cache.element_size())).from_address(kv_cache.data_ptr())
+            self.raw = memoryview(raw).cast("B")
+
+    def layer_bytes(self, runs) -> int:
+        return 2 * sum(c for _, c in runs) * self.row_bytes
+
+    def _offset(self, kv: int, layer: int, slot: int) -> int:
+        return ((kv * self.num_layers + layer) * self.num_slots + slot) * self.row_bytes
+
+    def read_layer(self, layer: int, runs) -> list:
+        """The layer's payload as a list of buffers (K of each run, then V of each run)."""
+        if self.on_cpu:
+            rb = self.row_bytes
+            return [self.raw[self._offset(kv, layer, s):self._offset(kv, layer, s) + c * rb]
+                    for kv in (0, 1) for s, c in runs]
+        slots = self._slots(runs)
+        return [memoryview(self.kv_cache[:, layer, slots].contiguous().cpu().view(torch.uint8).numpy()).cast("B")]
+
+    def write_layer(self, layer: int, runs, payload: memoryview) -> None:
+        """Store a payload read_layer made (on either worker) into these runs."""
+        assert len(payload) == self.layer_bytes(runs)
+        if self.on_cpu:
+            rb, at = self.row_bytes, 0
+            for kv in (0, 1):
+                for s, c in runs:
+                    o = self._offset(kv, layer, s)
+                    self.raw[o:o + c * rb] = payload[at:at + c * rb]
+                    at += c * rb
+            return
+        slots = self._slots(runs)
+        _, _, _, heads, dim = self.kv_cache.shape
+        src = torch.frombuffer(payload, dtype=torch.uint8).view(self.kv_cache.dtype).view(2, len(slots), heads, dim)
+        self.kv_cache[:, layer].index_copy_(1, slots, src.to(self.kv_cache.device))
+
+    def _slots(self, runs) -> torch.Tensor:
+        idx = [s + i for s, c in runs for i in range(c)]
+        return torch.tensor(idx, dtype=torch.long, device=self.kv_cache.device)

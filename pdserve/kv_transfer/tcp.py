@@ -1,0 +1,208 @@
+"""The prefill worker's KV listener (--kv-transfer-port) and the decode worker's side of a pull.
+
+One connection per pull: the decode worker sends PULL {request_id, start, end, transport};
+the prefill worker answers one LAYER frame per layer (tcp) or SHM_READY {path, bytes} (shm),
+then DONE, or ERROR {error}; the decode worker then sends RELEASE and gets DONE. A RELEASE may
+also come alone (an abort before any pull). Each connection is served on its own thread."""
+import logging
+import os
+import socket
+import socketserver
+import threading
+import time
+
+from pdserve.kv_transfer import frames, shm
+from pdserve.kv_transfer.layout import KVLayout, slot_runs
+from pdserve.kv_transfer.lease import LeaseError, LeaseTable
+
+log = logging.getLogger("pdserve.kv_transfer")
+CONNECT_TIMEOUT_S = 5.0
+IO_TIMEOUT_S = 30.0     # longest silence inside one transfer before it counts as failed
+
+
+class TransferStats:
+    """Totals since start, updated by transfer threads (under a lock)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.seconds = 0.0
+        self.transfers = 0
+        self.failures = 0
+
+    def add(self, nbytes: int, seconds: float, ok: bool = True) -> None:
+        with self._lock:
+            if ok:
+                self.bytes += nbytes
+                self.seconds += seconds
+                self.transfers += 1
+            else:
+                self.failures += 1
+
+
+class KVServer:
+    """The listener: serves pulls of leased blocks from `layout`."""
+
+    def __init__(self, host: str, port: int, leases: LeaseTable, layout: KVLayout, block_size: int,
+                 stats: TransferStats):
+        self.leases, self.layout, self.block_size, self.stats = leases, layout, block_size, stats
+        server = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                server.serve_connection(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+            address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+        self._server = Server((host, port), Handler)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="pdserve-kv-listener", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def serve_connection(self, conn: socket.socket) -> None:
+        conn.settimeout(IO_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while True:
+                try:
+                    kind, msg = frames.recv_json(conn, expect=(frames.PULL, frames.RELEASE))
+                except frames.FrameError as e:
+                    if "closed the connection after 0 of" not in str(e):   # not just the end of the conversation
+                        log.warning("KV listener: refused a frame: %s", e)
+                        _try_send_error(conn, str(e))
+                    return
+                rid = msg.get("request_id")
+                if not isinstance(rid, str):
+                    frames.send_json(conn, frames.ERROR, {"error": "request_id must be a string"})
+                    return
+                if kind == frames.RELEASE:
+                    self.leases.release(rid)
+                    frames.send_json(conn, frames.DONE, {})
+                else:
+                    self._serve_pull(conn, rid, msg)
+        except OSError as e:   # the decode worker went away: its lease expires if it never releases
+            log.warning("KV listener: connection failed: %s", e)
+        finally:
+            conn.close()
+
+    def _serve_pull(self, conn: socket.socket, rid: str, msg: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            lease = self.leases.acquire(rid)
+        except LeaseError as e:
+            frames.send_json(conn, frames.ERROR, {"error": str(e)})
+            return
+        path, sent = None, 0
+        try:
+            start, end, transport = msg.get("start"), msg.get("end"), msg.get("transport", "tcp")
+            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= lease.num_tokens):
+                frames.send_json(conn, frames.ERROR, {"error": f"positions [{start}, {end}) are not within the "
+                                                               f"{lease.num_tokens} leased tokens"})
+                return
+            runs = slot_runs(lease.block_table, self.block_size, start, end)
+            if transport == "shm":
+                path, size = shm.export(self.layout, runs)
+                frames.send_json(conn, frames.SHM_READY, {"path": path, "bytes": size})
+                frames.recv_json(conn, expect=(frames.DONE,))   # the decode worker has copied it
+                sent = size
+            else:
+                for layer in range(self.layout.num_layers):
+                    sent += frames.send_frame(conn, frames.LAYER, self.layout.read_layer(layer, runs), layer)
+                frames.send_json(conn, frames.DONE, {})
+            self.stats.add(sent, time.perf_counter() - t0)
+        except (OSError, frames.FrameError) as e:   # ends the connection (serve_connection logs it)
+            self.stats.add(0, 0.0, ok=False)
+            raise OSError(f"pull of {rid} failed: {e}") from None
+        finally:
+            if path is not None:
+                os.unlink(path)
+            self.leases.finish_read(lease)
+
+
+def _try_send_error(conn, why: str) -> None:
+    try:
+        frames.send_json(conn, frames.ERROR, {"error": why})
+    except OSError:
+        pass
+
+
+class PullError(Exception):
+    """A pull that did not deliver the K/V (the prefill worker is gone, refused, or sent bad frames)."""
+
+
+def pull(host: str, port: int, request_id: str, start: int, end: int, layout: KVLayout, runs, transport: str,
+         handle=None) -> int:
+    """Fetch positions [start, end) of the remote request into `runs` of this worker's cache and
+    release the lease; the bytes received. PullError on any failure (the lease is then released
+    if the prefill worker can still be reached). `handle` (optional) has `cancelled`, an Event
+    checked between layers, and gets `conn`, the socket, which cancel() shuts down to stop a
+    pull waiting for bytes."""
+    cancelled = handle.cancelled if handle is not None else None
+    try:
+        conn = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+    except OSError as e:
+        raise PullError(f"cannot reach the prefill worker's KV listener at {host}:{port}: {e}") from None
+    if handle is not None:
+        handle.conn = conn
+    with conn:
+        conn.settimeout(IO_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            got = _pull_on(conn, request_id, start, end, layout, runs, transport, cancelled)
+            _release_on(conn, request_id)
+            return got
+        except (OSError, frames.FrameError, ValueError, InterruptedError) as e:
+            failure = "the request was aborted" if cancelled is not None and cancelled.is_set() else e
+    release(host, port, request_id)   # on a fresh connection: this one may be mid-frame
+    raise PullError(str(failure)) from None
+
+
+def _pull_on(conn, request_id, start, end, layout, runs, transport, cancelled) -> int:
+    frames.send_json(conn, frames.PULL, {"request_id": request_id, "start": start, "end": end, "transport": transport})
+    size = layout.layer_bytes(runs)
+    if transport == "shm":
+        kind, msg = frames.recv_json(conn, expect=(frames.SHM_READY, frames.ERROR))
+        if kind == frames.ERROR:
+            raise ValueError(f"the prefill worker refused: {msg.get('error')}")
+        got = shm.load(layout, runs, str(msg.get("path")), msg.get("bytes"), cancelled)
+        frames.send_json(conn, frames.DONE, {})
+        return got
+    staging = bytearray(max(size, frames.MAX_CONTROL_BYTES))
+    got = 0
+    for layer in range(layout.num_layers):
+        kind, idx, payload = frames.recv_frame(conn, len(staging), staging, expect=(frames.LAYER, frames.ERROR))
+        if kind == frames.ERROR:
+            raise ValueError(f"the prefill worker refused: {bytes(payload).decode(errors='replace')}")
+        if idx != layer or len(payload) != size:
+            raise frames.FrameError(f"LAYER frame for layer {idx} of {len(payload)} bytes; expected layer "
+                                    f"{layer} of {size}")
+        if cancelled is not None and cancelled.is_set():
+            raise InterruptedError("the request was aborted")
+        layout.write_layer(layer, runs, payload)
+        got += size
+    frames.recv_json(conn, expect=(frames.DONE,))
+    return got
+
+
+def _release_on(conn, request_id: str) -> None:
+    frames.send_json(conn, frames.RELEASE, {"request_id": request_id})
+    frames.recv_json(conn, expect=(frames.DONE,))
+
+
+def release(host: str, port: int, request_id: str) -> bool:
+    """Tell the prefill worker to free the lease (best effort: False if it cannot be reached)."""
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as conn:
+            conn.settimeout(CONNECT_TIMEOUT_S)
+            _release_on(conn, request_id)
+        return True
+    except (OSError, frames.FrameError) as e:
+        log.warning("could not release the KV lease of %s at %s:%d: %s", request_id, host, port, e)
+        return False
