@@ -107,16 +107,20 @@ class WorkerProcess:
     def exited(self) -> int | None:
         return self.proc.poll()
 
-    def stop(self, timeout: float) -> None:
-        """SIGTERM, then SIGKILL if it is still there after `timeout` seconds."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
+
+
+def stop_all(workers: list[WorkerProcess], timeout: float) -> None:
+    """SIGTERM to every worker at once, then SIGKILL to any still there after `timeout` seconds."""
+    running = [w for w in workers if w.proc is not None and w.proc.poll() is None]
+    for w in running:
+        w.proc.terminate()
+    deadline = time.monotonic() + timeout
+    for w in running:
         try:
-            self.proc.wait(timeout)
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            w.proc.kill()
+            w.proc.wait()
 
 
 def wait_ready(workers: list[WorkerProcess], stopping: threading.Event) -> None:
@@ -179,8 +183,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         return _serve(args, sock, prefill, decode)
     finally:
-        for w in workers:
-            w.stop(args.shutdown_timeout + 5)
+        stop_all(workers, args.shutdown_timeout + 5)
 
 
 def _serve(args, sock, prefill: WorkerProcess, decode: WorkerProcess) -> int:

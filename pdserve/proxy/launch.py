@@ -75,6 +75,7 @@ def serve(app, args: argparse.Namespace) -> uvicorn.Server:
     from pdserve.server.connections import guarded_protocol
 
     protocol = guarded_protocol(10.0, 30.0, args.max_connections)   # pdserve serve's default read limits
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per call to a worker
     return uvicorn.Server(uvicorn.Config(app, http=protocol, log_level=args.log_level, timeout_graceful_shutdown=30))
 
 
