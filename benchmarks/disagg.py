@@ -30,6 +30,7 @@ import argparse
 import bisect
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -139,6 +140,8 @@ def workloads(args) -> list[tuple[Workload, list[str]]]:
     """(workload, extra bench flags): long-short as compare.py runs it, and the SLO run."""
     key = "quick" if args.quick else args.workload
     ls = next(w for w in WORKLOADS[key] if w.name == "long-short")
+    if args.num_prompts:
+        ls = replace(ls, num_prompts=args.num_prompts)
     ttft, _, tpot = args.slo.partition(":")
     slo = replace(ls, name="slo", concurrency=0)
     slo_flags = ["--request-rate", str(args.rate), "--goodput", f"ttft:{ttft}", f"tpot:{tpot}"]
@@ -285,6 +288,7 @@ def parse_args(argv):
     p.add_argument("--plot", default=None, metavar="PNG", help="the step-time plot (default: RESULTS/disagg.png)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--bench-timeout", type=float, default=1200.0)
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per workload (default: compare.py's)")
     p.add_argument("--quick", action="store_true", help="compare.py's quick long-short sizes")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
@@ -306,6 +310,7 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwind, so the running server is stopped
     started = time.strftime("%Y%m%d-%H%M%S")
     log_dir = os.path.join(args.results, "logs", f"{started}-disagg")
     if not args.dry_run:
