@@ -49,7 +49,8 @@ def add_listen_arguments(g) -> None:
                    help="largest request body; larger ones get 413 (default: %(default)s)")
     g.add_argument("--max-connections", type=_at_least(1), default=1000,
                    help="most open client connections, and most connections to the workers (default: %(default)s)")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level of the proxy and its access log (default: %(default)s)")
 
 
 def build(args: argparse.Namespace):
