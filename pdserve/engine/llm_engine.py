@@ -55,7 +55,7 @@ class LLMEngine:
         policy = make_policy(c.scheduling_policy, self.cost_model, c.max_num_batched_tokens, c.slo_admission)
         # prefill/decode roles: the KV connector (None with --role both)
         self.kv_dtype = str(self.runner.dtype).removeprefix("torch.")
-        self.connector = make_connector(c, self.runner.kv_cache, self.kv_dtype)
+        self.connector = make_connector(c, self.runner, self.kv_dtype)
         self.scheduler = Scheduler(self.block_manager, c.max_num_batched_tokens, c.max_num_seqs,
                                    c.max_prefill_tokens_with_decodes, policy, self.connector)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); prefix caching %s", self.runner.num_blocks,
@@ -118,6 +118,12 @@ class LLMEngine:
                                f"{seq.num_prompt_tokens} tokens here (not the prefill worker's prompt)",
                                param="kv_transfer_params.num_tokens")
         seq.kv_transfer = kv
+
+    def wake(self) -> None:
+        """Cut short a step's idle wait for a KV pull (the one thread-safe method: the server
+        calls it when it posts a request or an abort)."""
+        if self.connector is not None:
+            self.connector.wake()
 
     def kv_transfer_info(self) -> dict:
         """What GET /v1/kv_transfer answers: the role and where this worker's KV can be pulled from."""

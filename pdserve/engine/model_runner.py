@@ -14,6 +14,7 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.grammar import forced_tokens
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kernels import cpu_ops
+from pdserve.kv_transfer.shm import shared_kv_cache
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
 from pdserve.layers.layernorm import RMSNorm
@@ -90,9 +91,13 @@ class ModelRunner:
     def _allocate_kv_cache(self):
         m = self.model_config
         slots = self.num_blocks * self.block_size
-        # marked for huge pages before zeroing touches it (pdserve/hugepages.py; a no-op off CPU)
-        self.kv_cache = hugepages.empty(2, m.num_layers, slots, m.num_kv_heads, m.head_dim,
-                                        dtype=self.dtype, device=self.device).zero_()
+        shape = (2, m.num_layers, slots, m.num_kv_heads, m.head_dim)
+        self.kv_cache_file = None
+        if self.config.role == "prefill" and self.config.kv_transport == "shm" and self.device.type == "cpu":
+            # in a /dev/shm file that decode workers on this host map (pdserve/kv_transfer/shm.py)
+            self.kv_cache_file, self.kv_cache = shared_kv_cache(shape, self.dtype)
+        else:   # marked for huge pages before zeroing touches it (pdserve/hugepages.py; a no-op off CPU)
+            self.kv_cache = hugepages.empty(*shape, dtype=self.dtype, device=self.device).zero_()
         layers = [mod for mod in self.model.modules() if isinstance(mod, PagedAttention)]
         assert len(layers) == m.num_layers
         for i, layer in enumerate(layers):

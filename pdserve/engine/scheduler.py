@@ -24,8 +24,8 @@ step's prefill tokens, the preemption victim, priority preemption) is the policy
 (pdserve/engine/policy.py); with the default fcfs policy the rules above are the whole story.
 
 Remote prefill (a decode worker's KV connector, pdserve/kv_transfer/): a waiting request whose
-prompt KV a prefill worker holds is admitted without budget or seat: it gets blocks for its
-whole prompt and waits in `loading` (WAITING_FOR_REMOTE_KVS) while the connector pulls the KV
+prompt KV a prefill worker holds is admitted before the others, without budget or seat (in queue
+order, while blocks last; not in a step that preempted): it gets blocks for its whole prompt and waits in `loading` (WAITING_FOR_REMOTE_KVS) while the connector pulls the KV
 into them in the background. When the pull ends it goes to the front of the queue still holding
 its blocks, with num_computed_tokens = the tokens loaded (a failed pull: what was cached here),
 and is admitted as a prefill of the rest (the last prompt token at least). Preempted later, it
@@ -134,6 +134,8 @@ class Scheduler:
         if prefill_budget is None:
             prefill_budget = self._prefill_budget(out, budget)
         self.policy.order_waiting(self.waiting)
+        if self.connector is not None and not out.preempted:
+            self._park_remote(now)
         while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted):
             seq = self.waiting[0]
@@ -144,14 +146,10 @@ class Scheduler:
                     break
                 self.waiting.popleft()
             else:
+                if seq.kv_transfer is not None:   # its KV is remote: it waits for blocks to pull into
+                    break
                 hits = self.block_manager.find_cached(seq)   # [] with the prefix cache off
                 computed = len(hits) * block_size
-                remote = self.connector.get_num_new_matched_tokens(seq, computed) if self.connector else 0
-                if remote:
-                    if not self.block_manager.can_allocate(seq, seq.num_prompt_tokens, hits):
-                        break
-                    self._park(seq, hits, remote, now)
-                    continue
                 n = min(seq.num_tokens - computed, budget, prefill_budget)
                 if not self.block_manager.can_allocate(seq, computed + n, hits):
                     break
@@ -188,9 +186,22 @@ class Scheduler:
             budget = min(cap, budget)
         return self.policy.prefill_cap(out, budget)
 
+    def _park_remote(self, now: float) -> None:
+        """Give the waiting requests whose prompt KV is remote their blocks and start their pulls,
+        in queue order, while blocks last: outside budget and seats, which they need only after."""
+        bm = self.block_manager
+        for seq in [s for s in self.waiting if s.kv_transfer is not None and not s.block_table]:
+            hits = bm.find_cached(seq)
+            remote = self.connector.get_num_new_matched_tokens(seq, len(hits) * bm.block_size)
+            if not remote:   # nothing to pull after all: an ordinary prefill
+                continue
+            if not bm.can_allocate(seq, seq.num_prompt_tokens, hits):
+                break
+            self._park(seq, hits, remote, now)
+
     def _park(self, seq: Sequence, hits: list[int], remote: int, now: float) -> None:
         """Admit seq to wait for `remote` prompt tokens' KV from a remote worker, holding its blocks."""
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         self.block_manager.admit(seq, seq.num_prompt_tokens, hits)
         seq.num_computed_tokens = len(hits) * self.block_manager.block_size
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS

@@ -58,6 +58,9 @@ class KVConnectorBase:
         """(loads that ended since the last call, kept requests whose blocks are to be freed now)."""
         return [], []
 
+    def wake(self) -> None:
+        """End a wait_for_load now (any thread: new work has come)."""
+
     def cancel(self, seq) -> None:
         """seq was aborted while loading: stop its load (it still ends in get_finished)."""
 
@@ -90,7 +93,8 @@ class _Load:
 
 class PDConnector(KVConnectorBase):
     def __init__(self, role: str, layout: KVLayout, block_size: int, dtype: str, *, host: str = "127.0.0.1",
-                 port: int = 0, transport: str = "tcp", lease_s: float = 60.0, pull_threads: int = 2):
+                 port: int = 0, transport: str = "tcp", lease_s: float = 60.0, pull_threads: int = 2,
+                 cache_file: str | None = None):
         self.role, self.layout, self.block_size, self.dtype, self.transport = role, layout, block_size, dtype, transport
         self.engine_id = uuid.uuid4().hex
         self.stats = tcp.TransferStats()
@@ -99,7 +103,7 @@ class PDConnector(KVConnectorBase):
         self.host = host if host not in WILDCARD_HOSTS else socket.gethostbyname(socket.gethostname())
         if role == "prefill":
             self.leases = LeaseTable(lease_s)
-            self.server = tcp.KVServer(host, port, self.leases, layout, block_size, self.stats)
+            self.server = tcp.KVServer(host, port, self.leases, layout, block_size, self.stats, cache_file)
             log.info("KV listener on %s:%d (%s transport), leases of %g s", host, self.server.port, transport, lease_s)
         self._pool = ThreadPoolExecutor(pull_threads, thread_name_prefix="pdserve-kv-pull") if role == "decode" else None
         self._pending: list[_Load] = []
@@ -175,6 +179,9 @@ class PDConnector(KVConnectorBase):
             if deadline is not None:
                 timeout = max(0.0, min(timeout, deadline - self.leases.clock()))
         self._event.wait(timeout)
+
+    def wake(self):
+        self._event.set()
 
     def save_kv(self, seq):
         self.leases.add(seq.request_id, seq, seq.num_computed_tokens)

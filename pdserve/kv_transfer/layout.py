@@ -40,6 +40,14 @@ class KVLayout:
             raw = (ctypes.c_char * (kv_cache.numel() * kv_cache.element_size())).from_address(kv_cache.data_ptr())
             self.raw = memoryview(raw).cast("B")
 
+    @classmethod
+    def of_buffer(cls, buf: memoryview, num_layers: int, num_slots: int, row_bytes: int) -> "KVLayout":
+        """A read-only layout over raw cache bytes (another worker's cache, mapped)."""
+        layout = cls.__new__(cls)
+        layout.kv_cache, layout.num_layers, layout.num_slots, layout.row_bytes = None, num_layers, num_slots, row_bytes
+        layout.on_cpu, layout.raw = True, buf.cast("B") if buf.format != "B" else buf
+        return layout
+
     def layer_bytes(self, runs) -> int:
         return 2 * sum(c for _, c in runs) * self.row_bytes
 
@@ -54,6 +62,11 @@ class KVLayout:
                     for kv in (0, 1) for s, c in runs]
         slots = self._slots(runs)
         return [memoryview(self.kv_cache[:, layer, slots].contiguous().cpu().view(torch.uint8).numpy()).cast("B")]
+
+    def write_views(self, layer: int, runs) -> list | None:
+        """Buffers of this layer's runs that a payload can be received into directly, in payload
+        order (CPU; None on a GPU: receive into host memory, then write_layer)."""
+        return self.read_layer(layer, runs) if self.on_cpu else None
 
     def write_layer(self, layer: int, runs, payload: memoryview) -> None:
         """Store a payload read_layer made (on either worker) into these runs."""

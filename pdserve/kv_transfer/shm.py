@@ -1,56 +1,99 @@
-"""The shared-memory transport, for two workers on one host: the prefill worker copies the
-requested K/V into a file in /dev/shm (memory, not disk), the decode worker maps it and copies
-out of it into its own blocks; the control messages still go over the KV listener's socket.
-One copy on each side and no socket traffic for the bytes; no checksum (nothing crosses a wire).
-The prefill worker deletes the file once the decode worker says it is done, or the connection
-ends."""
+"""The shared-memory transport, for two workers on one host.
+
+A prefill worker with --kv-transport shm keeps its whole KV cache in a file under /dev/shm
+(memory, not disk). To a PULL it answers where the leased positions lie in it (the file, its
+slot count, the slot runs); the decode worker maps the file once, read-only, and copies those
+runs straight into its own blocks: one copy in all, and no bytes through the socket. The
+lease stays pinned until the decode worker says DONE. No checksum: nothing crosses a wire."""
+import atexit
 import mmap
 import os
+import re
 import tempfile
 import uuid
+
+import torch
 
 from pdserve.kv_transfer.layout import KVLayout
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+PREFIX = "pdserve-kvcache-"
 
 
-def export(layout: KVLayout, runs, directory: str = SHM_DIR) -> tuple[str, int]:
-    """Write every layer's payload of `runs` to a new file, layer after layer: (path, bytes)."""
-    per_layer = layout.layer_bytes(runs)
-    size = per_layer * layout.num_layers
-    path = os.path.join(directory, f"pdserve-kv-{uuid.uuid4().hex}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+def shared_kv_cache(shape: tuple, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+    """A zeroed tensor backed by a new file in SHM_DIR (removed at exit); (path, tensor)."""
+    _remove_stale()
+    path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    numel = 1
+    for n in shape:
+        numel *= n
+    with open(path, "wb") as f:
+        f.truncate(numel * dtype.itemsize)   # a sparse file: pages are allocated (zeroed) on first touch
+    atexit.register(_unlink, path)
+    return path, torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def _unlink(path: str) -> None:
     try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as m:
-            view = memoryview(m)
-            at = 0
-            for layer in range(layout.num_layers):
-                for chunk in layout.read_layer(layer, runs):
-                    view[at:at + len(chunk)] = chunk
-                    at += len(chunk)
-            view.release()
-    except BaseException:
         os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-    return path, size
+    except FileNotFoundError:
+        pass
 
 
-def load(layout: KVLayout, runs, path: str, size: int, cancelled=None) -> int:
-    """Copy a file export() wrote into `runs` of this worker's cache; the bytes copied."""
-    per_layer = layout.layer_bytes(runs)
-    if size != per_layer * layout.num_layers or not os.path.basename(path).startswith("pdserve-kv-"):
-        raise ValueError(f"shared-memory segment {path!r} of {size} bytes does not match the "
-                         f"{per_layer * layout.num_layers} bytes asked for")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
-        view = memoryview(m)
-        try:
-            for layer in range(layout.num_layers):
-                if cancelled is not None and cancelled.is_set():
-                    raise InterruptedError("the request was aborted")
-                layout.write_layer(layer, runs, view[layer * per_layer:(layer + 1) * per_layer])
-        finally:
-            view.release()
-    return size
+def _remove_stale() -> None:
+    """Files of prefill workers that died without cleaning up (SIGKILL) would hold memory for good."""
+    for name in os.listdir(SHM_DIR):
+        m = re.fullmatch(PREFIX + r"(\d+)-[0-9a-f]+", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _unlink(os.path.join(SHM_DIR, name))
+
+
+class RemoteCaches:
+    """The decode worker's read-only maps of prefill workers' cache files, by path."""
+
+    def __init__(self):
+        self._maps: dict[str, tuple[mmap.mmap, KVLayout]] = {}
+
+    def layout(self, path: str, num_slots: int, like: KVLayout) -> KVLayout:
+        if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(PREFIX):
+            raise ValueError(f"{path!r} is not a pdserve KV cache file")
+        size = 2 * like.num_layers * num_slots * like.row_bytes
+        entry = self._maps.get(path)
+        if entry is None or entry[1].num_slots != num_slots:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size != size:
+                    raise ValueError(f"{path} does not hold a cache of this model's layout ({size} bytes)")
+                m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+            entry = self._maps[path] = (m, KVLayout.of_buffer(memoryview(m), like.num_layers, num_slots, like.row_bytes))
+        return entry[1]
+
+
+def copy_runs(src: KVLayout, src_runs, dst: KVLayout, dst_runs, cancelled=None) -> int:
+    """Copy every layer's K/V of src_runs (a remote cache) into dst_runs (this one's); the bytes."""
+    total = 0
+    staging = None if dst.on_cpu else bytearray(dst.layer_bytes(dst_runs))
+    for layer in range(dst.num_layers):
+        if cancelled is not None and cancelled.is_set():
+            raise InterruptedError("the request was aborted")
+        chunks = src.read_layer(layer, src_runs)
+        targets = dst.write_views(layer, dst_runs) or [memoryview(staging)]
+        total += _copy_stream(chunks, targets)
+        if staging is not None:
+            dst.write_layer(layer, dst_runs, memoryview(staging))
+    return total
+
+
+def _copy_stream(chunks, targets) -> int:
+    """Copy the concatenation of `chunks` into the concatenation of `targets` (equal lengths)."""
+    i = j = a = b = n = 0
+    while i < len(chunks) and j < len(targets):
+        k = min(len(chunks[i]) - a, len(targets[j]) - b)
+        targets[j][b:b + k] = chunks[i][a:a + k]
+        a, b, n = a + k, b + k, n + k
+        if a == len(chunks[i]):
+            i, a = i + 1, 0
+        if b == len(targets[j]):
+            j, b = j + 1, 0
+    if i < len(chunks) or j < len(targets):
+        raise ValueError("the remote runs and this worker's runs hold different numbers of tokens")
+    return n

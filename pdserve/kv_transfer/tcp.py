@@ -5,7 +5,6 @@ the prefill worker answers one LAYER frame per layer (tcp) or SHM_READY {path, b
 then DONE, or ERROR {error}; the decode worker then sends RELEASE and gets DONE. A RELEASE may
 also come alone (an abort before any pull). Each connection is served on its own thread."""
 import logging
-import os
 import socket
 import socketserver
 import threading
@@ -44,8 +43,9 @@ class KVServer:
     """The listener: serves pulls of leased blocks from `layout`."""
 
     def __init__(self, host: str, port: int, leases: LeaseTable, layout: KVLayout, block_size: int,
-                 stats: TransferStats):
+                 stats: TransferStats, cache_file: str | None = None):
         self.leases, self.layout, self.block_size, self.stats = leases, layout, block_size, stats
+        self.cache_file = cache_file   # the shared-memory file the cache lives in (--kv-transport shm)
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -99,7 +99,7 @@ class KVServer:
         except LeaseError as e:
             frames.send_json(conn, frames.ERROR, {"error": str(e)})
             return
-        path, sent = None, 0
+        sent = 0
         try:
             start, end, transport = msg.get("start"), msg.get("end"), msg.get("transport", "tcp")
             if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= lease.num_tokens):
@@ -108,10 +108,14 @@ class KVServer:
                 return
             runs = slot_runs(lease.block_table, self.block_size, start, end)
             if transport == "shm":
-                path, size = shm.export(self.layout, runs)
-                frames.send_json(conn, frames.SHM_READY, {"path": path, "bytes": size})
-                frames.recv_json(conn, expect=(frames.DONE,))   # the decode worker has copied it
-                sent = size
+                if self.cache_file is None:
+                    frames.send_json(conn, frames.ERROR, {"error": "this worker's KV cache is not in shared memory "
+                                                                   "(it runs --kv-transport tcp)"})
+                    return
+                frames.send_json(conn, frames.SHM_READY, {"path": self.cache_file, "num_slots": self.layout.num_slots,
+                                                          "runs": runs})
+                frames.recv_json(conn, expect=(frames.DONE,))   # the decode worker has copied them
+                sent = self.layout.layer_bytes(runs) * self.layout.num_layers
             else:
                 for layer in range(self.layout.num_layers):
                     sent += frames.send_frame(conn, frames.LAYER, self.layout.read_layer(layer, runs), layer)
@@ -121,8 +125,6 @@ class KVServer:
             self.stats.add(0, 0.0, ok=False)
             raise OSError(f"pull of {rid} failed: {e}") from None
         finally:
-            if path is not None:
-                os.unlink(path)
             self.leases.finish_read(lease)
 
 
@@ -135,6 +137,9 @@ def _try_send_error(conn, why: str) -> None:
 
 class PullError(Exception):
     """A pull that did not deliver the K/V (the prefill worker is gone, refused, or sent bad frames)."""
+
+
+REMOTE_CACHES = shm.RemoteCaches()
 
 
 def pull(host: str, port: int, request_id: str, start: int, end: int, layout: KVLayout, runs, transport: str,
@@ -171,22 +176,25 @@ def _pull_on(conn, request_id, start, end, layout, runs, transport, cancelled) -
         kind, msg = frames.recv_json(conn, expect=(frames.SHM_READY, frames.ERROR))
         if kind == frames.ERROR:
             raise ValueError(f"the prefill worker refused: {msg.get('error')}")
-        got = shm.load(layout, runs, str(msg.get("path")), msg.get("bytes"), cancelled)
+        num_slots, src_runs = msg.get("num_slots"), msg.get("runs")
+        if not (isinstance(num_slots, int) and isinstance(src_runs, list) and all(
+                isinstance(r, list) and len(r) == 2 and 0 <= r[0] and 0 < r[1] and r[0] + r[1] <= num_slots
+                for r in src_runs)):
+            raise frames.FrameError("SHM_READY frame with malformed slot runs")
+        remote = REMOTE_CACHES.layout(str(msg.get("path")), num_slots, layout)
+        got = shm.copy_runs(remote, src_runs, layout, runs, cancelled)
         frames.send_json(conn, frames.DONE, {})
         return got
-    staging = bytearray(max(size, frames.MAX_CONTROL_BYTES))
+    staging = None if layout.on_cpu else memoryview(bytearray(size))
     got = 0
     for layer in range(layout.num_layers):
-        kind, idx, payload = frames.recv_frame(conn, len(staging), staging, expect=(frames.LAYER, frames.ERROR))
-        if kind == frames.ERROR:
-            raise ValueError(f"the prefill worker refused: {bytes(payload).decode(errors='replace')}")
-        if idx != layer or len(payload) != size:
-            raise frames.FrameError(f"LAYER frame for layer {idx} of {len(payload)} bytes; expected layer "
-                                    f"{layer} of {size}")
         if cancelled is not None and cancelled.is_set():
             raise InterruptedError("the request was aborted")
-        layout.write_layer(layer, runs, payload)
-        got += size
+        # into the blocks themselves (they are this request's alone: a frame that then fails its
+        # checksum leaves bytes nobody trusts, the request recomputes or fails)
+        got += frames.recv_layer(conn, layout.write_views(layer, runs) or [staging], layer)
+        if staging is not None:
+            layout.write_layer(layer, runs, staging)
     frames.recv_json(conn, expect=(frames.DONE,))
     return got
 

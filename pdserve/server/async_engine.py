@@ -273,6 +273,9 @@ class AsyncEngine:
     def _post(self, command) -> None:
         self._commands.append(command)
         self._wake.set()
+        wake = getattr(self.engine, "wake", None)   # a step waiting for a KV pull returns at once
+        if wake is not None:
+            wake()
 
     # ---- the engine thread
 

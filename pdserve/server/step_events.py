@@ -179,10 +179,10 @@ def _requests(engine, stepped: bool, outputs) -> tuple[tuple[list, list], int]:
                          len(out.prompt_token_ids), len(m.token_times), m.num_preemptions, m.ttft, m.tpot))
     live = []
     seqs = getattr(engine, "seqs", {})   # in arrival order
-    waiting = SequenceStatus.WAITING
+    waiting = (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_REMOTE_KVS)   # (the latter: its KV is pulled)
     for seq in itertools.islice(seqs.values(), MAX_REQUESTS - len(finished)):
         rid = seq.request_id
-        if seq.status is waiting:
+        if seq.status in waiting:
             state = "waiting"
         elif sched is None:
             state = "running"
