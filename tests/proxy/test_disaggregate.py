@@ -26,7 +26,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(pids, timeout: float = 60.0) -> None:
+def wait_gone(pids, timeout: float = 180.0) -> None:   # a graceful stop is slow on a busy machine
     deadline = time.monotonic() + timeout
     while any(alive(p) for p in pids):
         assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"

@@ -37,7 +37,7 @@ def test_completions_go_through_a_prefill_then_a_decode_worker(cluster, stream):
     assert d["max_tokens"] == 5 and d.get("stream", False) is stream and d["prompt"] == PROMPT
     assert d["kv_transfer_params"]["do_remote_prefill"] is True
     assert d["kv_transfer_params"]["remote_engine_id"] == prefill.engine_id
-    assert not LEASES   # released by the decode worker when it finished
+    assert d["kv_transfer_params"]["remote_request_id"] not in LEASES   # released by the decode worker
 
 
 @pytest.mark.parametrize("stream", [False, True])

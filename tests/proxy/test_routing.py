@@ -56,13 +56,15 @@ def test_round_robin_through_the_proxy_alternates_workers(cluster):
 def test_least_loaded_through_the_proxy_avoids_the_worker_with_a_stream_in_flight(cluster):
     decode = [FakeWorker("decode", token_delay=0.05), FakeWorker("decode", token_delay=0.05)]
     c = cluster(decode=decode, flags=["--routing", "least-loaded"])
-    started = threading.Event()
+    started, done = threading.Event(), threading.Event()
 
-    def long_stream():
+    def long_stream():   # 40 s of tokens, until the test is done with it
         with httpx.stream("POST", c.url + "/v1/completions", timeout=30,
-                          json={"prompt": "Hi", "max_tokens": 40, "stream": True}) as r:
+                          json={"prompt": "Hi", "max_tokens": 800, "stream": True}) as r:
             for _ in r.iter_lines():
                 started.set()
+                if done.is_set():
+                    break
     t = threading.Thread(target=long_stream)
     t.start()
     assert started.wait(10)
@@ -71,4 +73,5 @@ def test_least_loaded_through_the_proxy_avoids_the_worker_with_a_stream_in_fligh
         assert _post(c.url).status_code == 200
     idle = next(w for w in decode if w is not busy)
     assert len(busy.bodies) == 1 and len(idle.bodies) == 3
+    done.set()
     t.join(30)
