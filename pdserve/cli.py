@@ -9,6 +9,7 @@ from pdserve.errors import CheckpointError, ConfigError, RequestError
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args).
 COMMANDS = {
     "serve": ("pdserve.server.launch", "serve a model over HTTP (OpenAI-compatible API)"),
+    "proxy": ("pdserve.proxy.launch", "serve the OpenAI API over prefill and decode workers (disaggregated)"),
     "generate": ("pdserve.generate", "generate offline for prompts given on the command line"),
     "bench": ("pdserve.bench.serve_bench", "benchmark any OpenAI-compatible server (vLLM's definitions)"),
     "report": ("pdserve.bench.report", "plot benchmark results and engine step logs"),

@@ -16,6 +16,7 @@ import uvicorn
 
 from pdserve.engine.args import DEFAULT_MODEL, add_engine_args, check_engine_args, engine_kwargs
 from pdserve.errors import ConfigError
+from pdserve.proxy import disaggregate
 from pdserve.server.tool_parsers import PARSERS
 
 
@@ -102,6 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "sequences, preemptions, forward time) to FILE, for `pdserve report` (default: off)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and its access log (default: %(default)s)")
+    disaggregate.add_arguments(parser)
 
 
 def _at_least(low: int, high: int | None = None):
@@ -256,6 +258,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     resolve_model(args)
+    if args.disaggregate:
+        check_engine_args(args)
+        return disaggregate.run(args)
+    if args.prefill_cores is not None or args.decode_cores is not None:
+        raise ConfigError("--prefill-cores and --decode-cores need --disaggregate")
     sock = bind(args.host, args.port)
     check_engine_args(args)
     engine, engine_thread = build_engine(args)

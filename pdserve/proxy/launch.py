@@ -1,0 +1,93 @@
+"""`pdserve proxy`: serve the OpenAI API over prefill and decode workers until SIGTERM or Ctrl-C.
+
+Before it listens, it checks every worker's GET /v1/kv_transfer (pairing.py) and refuses to
+start, in one line, if one is unreachable, has the wrong role, or disagrees on the model, the
+KV block size or the KV dtype."""
+import argparse
+import logging
+import os
+
+import uvicorn
+
+from pdserve.errors import ConfigError
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.pairing import check_pairing
+from pdserve.proxy.relay import Proxy
+from pdserve.proxy.routing import ROUTINGS, Router, Worker, worker_url
+from pdserve.server.launch import _at_least, _seconds, allowed_hosts, bind
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    w = parser.add_argument_group("workers")
+    w.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill workers (`pdserve serve --role prefill`), e.g. http://127.0.0.1:8100")
+    w.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode workers (`pdserve serve --role decode`)")
+    w.add_argument("--routing", choices=ROUTINGS, default="round-robin",
+                   help="which worker of a role gets a request: in turn, or the one with the fewest requests "
+                        "in flight at this proxy (default: %(default)s)")
+    w.add_argument("--connect-timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                   help="a worker that does not accept a connection within this is unavailable: 503 "
+                        "(default: %(default)s)")
+    w.add_argument("--read-timeout", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="a worker that sends nothing for this long has failed the request: 504, or an error "
+                        "event in a stream (default: %(default)s)")
+    add_listen_arguments(parser.add_argument_group("server"))
+
+
+def add_listen_arguments(g) -> None:
+    """The proxy's own server flags (also taken by `pdserve serve --disaggregate`'s proxy)."""
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    g.add_argument("--port", type=_at_least(0, 65535), default=8000, help="TCP port (default: %(default)s)")
+    g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="Host header names accepted (default: the --host address and localhost names; '*' = any)")
+    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` of clients (not on /health, /metrics, /version) and "
+                        "send it to the workers (default: $PDSERVE_API_KEY; unset: the client's header is "
+                        "passed on)")
+    g.add_argument("--max-body-bytes", type=_at_least(1), default=1 << 20,
+                   help="largest request body; larger ones get 413 (default: %(default)s)")
+    g.add_argument("--max-connections", type=_at_least(1), default=1000,
+                   help="most open client connections, and most connections to the workers (default: %(default)s)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level of the proxy and its access log (default: %(default)s)")
+
+
+def build(args: argparse.Namespace):
+    """(app, pairing): the proxy's app over the workers in args, after checking their pairing."""
+    from pdserve.proxy.app import build_app
+
+    try:
+        prefill = [Worker(worker_url(u), "prefill") for u in args.prefill]
+        decode = [Worker(worker_url(u), "decode") for u in args.decode]
+    except ValueError as e:
+        raise ConfigError(f"--prefill/--decode: {e}") from None
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    pairing = check_pairing(prefill, decode, headers, timeout=args.connect_timeout)
+    proxy = Proxy(Router(prefill, args.routing), Router(decode, args.routing),
+                  ProxyMetrics(pairing.model, prefill + decode), args.read_timeout, args.api_key or None)
+    app = build_app(proxy, connect_timeout=args.connect_timeout, max_body_bytes=args.max_body_bytes,
+                    allowed_hosts=allowed_hosts(args), max_connections=args.max_connections)
+    return app, pairing
+
+
+def serve(app, args: argparse.Namespace) -> uvicorn.Server:
+    """A uvicorn server for the proxy's app (run it with .run(sockets=[sock]))."""
+    from pdserve.server.connections import guarded_protocol
+
+    protocol = guarded_protocol(10.0, 30.0, args.max_connections)   # pdserve serve's default read limits
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per call to a worker
+    return uvicorn.Server(uvicorn.Config(app, http=protocol, log_level=args.log_level, timeout_graceful_shutdown=30))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    sock = bind(args.host, args.port)
+    app, pairing = build(args)
+    log = logging.getLogger("pdserve.proxy")
+    log.info("model %s, KV blocks of %d tokens in %s; prefill %s; decode %s; routing %s", pairing.model,
+             pairing.block_size, pairing.dtype, " ".join(args.prefill), " ".join(args.decode), args.routing)
+    log.info("proxy on http://%s:%d", args.host, args.port)
+    server = serve(app, args)
+    server.run(sockets=[sock])
+    return 0 if server.started else 1

@@ -1,0 +1,240 @@
+"""One request through the proxy: the prefill call (one token, the prompt's KV kept under a
+lease), then the decode call with the `kv_transfer_params` the prefill worker returned, whose
+answer goes back to the client unchanged.
+
+A worker's own refusal (4xx, or a 5xx it chose to send) passes through as it is. A worker the
+proxy cannot reach is a 503, one that sends nothing for --read-timeout a 504, one that breaks off
+its answer a 502, each in OpenAI's error format; a stream that is already under way ends with an
+error event and `[DONE]`, as pdserve's own streams end on an error. A client that leaves cancels
+the call in progress: the worker sees its connection close and aborts the request (a decode
+worker then releases the prefill worker's lease).
+"""
+import json
+import logging
+import time
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.routing import Router, Worker
+from pdserve.server.errors import APIError, error_body, error_response
+from pdserve.server.streaming import DONE, sse
+
+log = logging.getLogger("pdserve.proxy")
+PASSED_HEADERS = ("content-type", "retry-after", "www-authenticate")   # of a worker's refusal
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class WorkerFailure(Exception):
+    """A worker that could not be reached, said nothing in time, or broke off its answer."""
+
+    def __init__(self, status: int, code: str, message: str, outcome: str):
+        super().__init__(message)
+        self.status, self.code, self.message, self.outcome = status, code, message, outcome
+
+    def response(self) -> Response:
+        return error_response(APIError(self.status, self.message, type="server_error", code=self.code))
+
+    def event(self) -> bytes:
+        return sse(error_body(self.message, "server_error", None, self.code)).encode()
+
+
+class Refused(Exception):
+    """A worker answered with an error of its own: the client gets it unchanged."""
+
+    def __init__(self, response: httpx.Response):
+        self.status = response.status_code
+        self.body = response.content
+        self.headers = {k: response.headers[k] for k in PASSED_HEADERS if k in response.headers}
+
+    def response(self) -> Response:
+        return Response(self.body, status_code=self.status, headers=self.headers)
+
+
+def failure(worker: Worker, e: httpx.HTTPError, read_timeout: float) -> WorkerFailure:
+    detail = str(e) or type(e).__name__
+    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return WorkerFailure(503, "worker_unavailable", f"{worker} is unreachable: {detail}", "unavailable")
+    if isinstance(e, httpx.PoolTimeout):
+        return WorkerFailure(503, "worker_unavailable", f"no free connection to {worker}", "unavailable")
+    if isinstance(e, httpx.TimeoutException):
+        return WorkerFailure(504, "worker_timeout", f"{worker} sent nothing for {read_timeout:g} s "
+                             "(--read-timeout)", "timeout")
+    return WorkerFailure(502, "worker_failed", f"{worker} broke off its answer: {detail}", "broken")
+
+
+def prefill_body(body: dict, chat: bool) -> dict:
+    """The prefill worker's request (the contract's step 2): one token, not streamed, one choice,
+    the KV kept for a decode worker. min_tokens and stream_options would contradict that."""
+    b = {k: v for k, v in body.items() if k not in ("min_tokens", "stream_options")}
+    b.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+    if chat and "max_completion_tokens" in body:
+        b["max_completion_tokens"] = 1
+    return b
+
+
+def _is_token_event(event: bytes) -> bool:
+    """An event with a choice that is more than chat's opening role delta."""
+    try:
+        data = json.loads(event[len(b"data: "):])
+    except ValueError:
+        return False
+    choices = data.get("choices") if isinstance(data, dict) else None
+    return bool(choices) and any("role" not in (c.get("delta") or {}) for c in choices if isinstance(c, dict))
+
+
+class Proxy:
+    def __init__(self, prefill: Router, decode: Router, metrics: ProxyMetrics, read_timeout: float,
+                 api_key: str | None = None):
+        self.prefill, self.decode, self.metrics = prefill, decode, metrics
+        self.read_timeout, self.api_key = read_timeout, api_key
+        self.client: httpx.AsyncClient | None = None   # made on the serving event loop (app lifespan)
+
+    def headers_for(self, client_headers) -> dict:
+        """What the workers get: JSON, and the key (the proxy's own, else the client's)."""
+        h = {"content-type": "application/json"}
+        if self.api_key:
+            h["authorization"] = f"Bearer {self.api_key}"
+        elif "authorization" in client_headers:
+            h["authorization"] = client_headers["authorization"]
+        if "x-request-id" in client_headers:
+            h["x-request-id"] = client_headers["x-request-id"]
+        return h
+
+    async def _post(self, worker: Worker, path: str, body: dict, headers: dict) -> httpx.Response:
+        try:
+            return await self.client.post(worker.url + path, content=json.dumps(body), headers=headers)
+        except httpx.HTTPError as e:
+            raise failure(worker, e, self.read_timeout) from None
+
+    async def _prefill(self, path: str, body: dict, headers: dict) -> dict:
+        """The kv_transfer_params of the prompt's KV, held by a prefill worker."""
+        worker = self.prefill.choose()
+        t0 = time.perf_counter()
+        with self.prefill.busy(worker):
+            r = await self._post(worker, path, prefill_body(body, path.endswith("/chat/completions")), headers)
+        if r.status_code != 200:
+            raise Refused(r)
+        self.metrics.prefill.observe(time.perf_counter() - t0)
+        try:
+            params = r.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            raise WorkerFailure(502, "bad_worker_response", f"{worker} answered without kv_transfer_params "
+                                "(is it a `--role prefill` worker?)", "broken")
+        return params
+
+    async def complete(self, path: str, body: dict, headers: dict, arrival: float) -> Response:
+        params = await self._prefill(path, body, headers)
+        worker = self.decode.choose()
+        with self.decode.busy(worker):
+            r = await self._post(worker, path, {**body, "kv_transfer_params": params}, headers)
+        if r.status_code != 200:
+            raise Refused(r)
+        return Response(r.content, status_code=200, media_type=r.headers.get("content-type", "application/json"))
+
+    async def stream(self, path: str, body: dict, headers: dict, arrival: float, endpoint: str) -> Response:
+        params = await self._prefill(path, body, headers)
+        worker = self.decode.choose()
+        worker.in_flight += 1
+        t0 = time.perf_counter()
+        try:
+            request = self.client.build_request("POST", worker.url + path, headers=headers,
+                                                content=json.dumps({**body, "kv_transfer_params": params}))
+            upstream = await self.client.send(request, stream=True)
+        except BaseException as e:
+            worker.in_flight -= 1
+            if isinstance(e, httpx.HTTPError):
+                raise failure(worker, e, self.read_timeout) from None
+            raise
+        if upstream.status_code != 200:
+            try:
+                await upstream.aread()
+            except httpx.HTTPError as e:
+                raise failure(worker, e, self.read_timeout) from None
+            finally:
+                await upstream.aclose()
+                worker.in_flight -= 1
+            raise Refused(upstream)
+        return RelayedStream(self, worker, upstream, endpoint, arrival, t0)
+
+    async def answer(self, endpoint: str, work, arrival: float) -> Response:
+        """The response of `work` (complete or stream), with refusals and failures turned into
+        responses, and the outcome counted (a relayed stream counts its own when it ends)."""
+        outcome = "cancelled"   # unless `work` ends
+        try:
+            response = await work
+            outcome = None if isinstance(response, RelayedStream) else "success"
+            return response
+        except Refused as r:
+            outcome = "client_error" if r.status < 500 else "worker_error"
+            return r.response()
+        except WorkerFailure as f:
+            log.warning("%s: %s", endpoint, f.message)
+            outcome = f.outcome
+            return f.response()
+        finally:
+            if outcome is not None:
+                self.metrics.outcome(endpoint, outcome)
+                self.metrics.e2e.observe(time.perf_counter() - arrival)
+
+
+class RelayedStream(StreamingResponse):
+    """The decode worker's event stream, relayed one whole event at a time (so an error event can
+    always follow what was sent). Closing it, however it ends, closes the upstream response, which
+    aborts the request on the worker if it was still running."""
+
+    def __init__(self, proxy: Proxy, worker: Worker, upstream: httpx.Response, endpoint: str, arrival: float,
+                 sent: float):
+        super().__init__(self._events(), media_type="text/event-stream", headers=SSE_HEADERS)
+        self.proxy, self.worker, self.upstream, self.endpoint = proxy, worker, upstream, endpoint
+        self.arrival, self.sent = arrival, sent
+        self.outcome: str | None = None   # set when the relay ends by itself; None: the client left
+        self._closed = False
+
+    async def _events(self):
+        buffer, done, first, worker_error = b"", False, False, False
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                buffer += chunk
+                while (end := buffer.find(b"\n\n")) >= 0:
+                    event, buffer = buffer[:end + 2], buffer[end + 2:]
+                    if event.startswith(b"data: [DONE]"):
+                        done = True
+                    elif event.startswith(b'data: {"error"'):
+                        worker_error = True
+                    elif not first and _is_token_event(event):
+                        first = True
+                        now = time.perf_counter()
+                        self.proxy.metrics.decode_ttft.observe(now - self.sent)
+                        self.proxy.metrics.ttft.observe(now - self.arrival)
+                    yield event
+            if not done:
+                raise WorkerFailure(502, "worker_failed", f"{self.worker} ended its stream before [DONE]", "broken")
+            self.outcome = "worker_error" if worker_error else "success"
+        except (httpx.HTTPError, WorkerFailure) as e:
+            f = e if isinstance(e, WorkerFailure) else failure(self.worker, e, self.proxy.read_timeout)
+            log.warning("%s: %s", self.endpoint, f.message)
+            self.outcome = f.outcome
+            yield f.event()
+            yield DONE.encode()
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Once, however the stream ended: the upstream closed, the worker's count and the outcome."""
+        if self._closed:
+            return
+        self._closed = True
+        self.worker.in_flight -= 1
+        try:
+            await self.upstream.aclose()
+        finally:
+            self.proxy.metrics.outcome(self.endpoint, self.outcome or "cancelled")
+            self.proxy.metrics.e2e.observe(time.perf_counter() - self.arrival)
