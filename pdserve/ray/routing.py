@@ -7,7 +7,7 @@ recorded as holding those blocks, in a per-replica LRU as large as that replica'
 request goes to the replica holding the longest run of its leading blocks; when no replica holds at
 least `min_match_blocks`, or the best one has `max_imbalance` more requests in flight than the
 least-loaded one, it goes to the least-loaded replica (ties: the one holding fewest blocks, so new
-prefixes spread out). What a replica evicted on its own is not seen, which costs a miss there, never
+prefixes spread out, then in turn). What a replica evicted on its own is not seen, which costs a miss there, never
 a wrong answer: the replica's own prefix cache checks every hit."""
 import itertools
 from collections import OrderedDict
@@ -48,7 +48,8 @@ class Router:
         if self.policy == "round-robin":
             return replicas[next(self._turn) % len(replicas)], 0
         load = {r: self.in_flight.get(r, 0) for r in replicas}
-        least = min(replicas, key=lambda r: (load[r], len(self.held.get(r, ()))))
+        start = next(self._turn) % len(replicas)   # ties go round in turn
+        least = min(replicas[start:] + replicas[:start], key=lambda r: (load[r], len(self.held.get(r, ()))))
         if self.policy == "least-loaded":
             return least, 0
         best, matched = least, 0

@@ -106,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--num-replicas", type=_at_least(1), default=1, help="engine replicas (default: %(default)s)")
     r.add_argument("--ray-cpus-per-replica", type=_number_at_least(0.01), default=1.0, metavar="CPUS",
                    help="CPUs Ray reserves for each replica; --threads defaults to it (default: %(default)s)")
+    r.add_argument("--ray-replicas-per-node", type=_at_least(1), default=None, metavar="N",
+                   help="most replicas Ray places on one node (default: as many as its CPUs hold)")
     r.add_argument("--routing", choices=["prefix-aware", "round-robin", "least-loaded"], default="prefix-aware",
                    help="which replica gets a request: the one holding the longest cached prefix of its prompt "
                         "(else the least-loaded), in turn, or the one with fewest requests in flight "
@@ -122,6 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="the Ray cluster to join, as `ray start --head` printed it, or auto (default: "
                         "RAY_ADDRESS, else a new local one)")
+    r.add_argument("--ray-scale", type=_at_least(1), default=None, metavar="N",
+                   help="change the running app's replica count to N, in place, and return")
     r.add_argument("--ray-detach", action="store_true",
                    help="deploy and return; the app runs on until `serve shutdown` (default: serve until Ctrl-C)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
