@@ -74,7 +74,7 @@ def ray_runs(model: str, out_dir: str, sizes: dict, seed: int) -> dict:
         cluster.add_node(num_cpus=1, include_dashboard=False)
         cluster.add_node(num_cpus=1)
         ray.init(address=cluster.address, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
         url = f"http://127.0.0.1:{port}"
         for routing in ("prefix-aware", "round-robin"):
             deploy(args(routing))   # new replicas: no cache carried over from the last run

@@ -1,6 +1,7 @@
 """pdserve on a local two-node Ray cluster (one CPU per node, one engine replica on each): placement,
 exactness against a single engine, KV-aware routing, a replica killed mid-request, and scaling.
-One cluster and one app for the whole module; the tests run in order and leave two replicas up."""
+One cluster and one app for the whole module; the tests run in order (the kill tests last: a
+replica's replacement is not waited for)."""
 import socket
 import threading
 import time
@@ -55,7 +56,7 @@ def url(model):
         c.add_node(num_cpus=1, object_store_memory=100 << 20, include_dashboard=False)   # the head
         c.add_node(num_cpus=1, object_store_memory=100 << 20)
         ray.init(address=c.address, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
         deploy(parse(model))
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -85,7 +86,7 @@ def replicas_running() -> int:
     return serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
 
 
-def wait_replicas(n: int, timeout: float = 180) -> None:
+def wait_replicas(n: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while replicas_running() != n or serve.status().applications[APP_NAME].status != "RUNNING":
         assert time.monotonic() < deadline, f"never {n} running replicas: {serve.status()}"
@@ -134,6 +135,30 @@ def test_a_prompt_goes_to_the_replica_that_holds_its_prefix(url):
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32   # its engine found it cached
 
 
+def test_scaling_down_and_up_keeps_serving(url):
+    statuses, stop = [], threading.Event()
+
+    def traffic():
+        i = 0
+        while not stop.is_set():
+            statuses.append(complete(url, f"{PROMPTS[i % 3]} {i}").status_code)
+            i += 1
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        kept = {complete(url, p).headers["x-pdserve-replica"] for p in ("scale one " * 9, "scale two " * 9)}
+        scale(1)
+        wait_replicas(1)
+        scale(2)
+        wait_replicas(2)
+    finally:
+        stop.set()
+        t.join(60)
+    assert len(statuses) > 3 and set(statuses) == {200}
+    after = {complete(url, p).headers["x-pdserve-replica"] for p in ("scale three " * 9, "scale four " * 9)}
+    assert len(kept) == 2 and len(after) == 2 and len(kept & after) == 1   # one served throughout, one is new
+
+
 def _stream_events(url: str, prompt: str, started: threading.Event, out: dict) -> None:
     body = {"prompt": prompt, "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
@@ -164,31 +189,6 @@ def test_a_killed_replicas_requests_fail_cleanly(url):
     r = plain["r"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "replica_failed"
     assert complete(url, prompt).status_code == 200   # the other replica serves on
-
-
-def test_scaling_down_and_up_keeps_serving(url):
-    statuses, stop = [], threading.Event()
-
-    def traffic():
-        i = 0
-        while not stop.is_set():
-            statuses.append(complete(url, f"{PROMPTS[i % 3]} {i}").status_code)
-            i += 1
-    t = threading.Thread(target=traffic)
-    t.start()
-    try:
-        wait_replicas(2)   # the one the last test killed is back
-        kept = {complete(url, p).headers["x-pdserve-replica"] for p in ("scale one " * 9, "scale two " * 9)}
-        scale(1)
-        wait_replicas(1)
-        scale(2)
-        wait_replicas(2)
-    finally:
-        stop.set()
-        t.join(60)
-    assert len(statuses) > 3 and set(statuses) == {200}
-    after = {complete(url, p).headers["x-pdserve-replica"] for p in ("scale three " * 9, "scale four " * 9)}
-    assert len(kept) == 2 and len(after) == 2 and len(kept & after) == 1   # one served throughout, one is new
 
 
 def test_with_retry_a_killed_replicas_request_is_served_by_another(url, model, reference):
