@@ -2,6 +2,7 @@
 exactness against a single engine, KV-aware routing, a replica killed mid-request, and scaling.
 One cluster and one app for the whole module; the tests run in order (the kill tests last: a
 replica's replacement is not waited for)."""
+import os
 import socket
 import threading
 import time
@@ -50,6 +51,9 @@ def model(make_tiny):
 
 @pytest.fixture(scope="module")
 def url(model):
+    # A loaded machine starts a node's agents slowly: the raylet may wait longer for them (the
+    # processes Ray starts inherit the variable).
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     c = Cluster()
     port = free_port()
     try:
