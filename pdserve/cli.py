@@ -20,7 +20,7 @@ COMMANDS = {
 # Errors a user can act on: printed as one line, exit status 2. OSError: a file that is not there.
 USER_ERRORS = (CheckpointError, ConfigError, RequestError, OSError)
 # What a command needs beyond `pip install pdserve`: the extra (pyproject.toml) that brings the module.
-EXTRAS = {"httpx": "bench", "matplotlib": "bench", "transformers": "baselines"}
+EXTRAS = {"httpx": "bench", "matplotlib": "bench", "transformers": "baselines", "ray": "ray"}
 
 
 def missing_extra(e: ModuleNotFoundError, command: str) -> str | None:

@@ -101,6 +101,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per engine step (time, duration, prefill and decode tokens, "
                         "sequences, preemptions, forward time) to FILE, for `pdserve report` (default: off)")
+    r = parser.add_argument_group("Ray Serve (docs/RAY.md; needs the ray extra)")
+    r.add_argument("--ray", action="store_true",
+                   help="serve as a Ray Serve application: --num-replicas engines behind one endpoint")
+    r.add_argument("--num-replicas", type=_at_least(1), default=1, help="engine replicas (default: %(default)s)")
+    r.add_argument("--ray-cpus-per-replica", type=_number_at_least(0.01), default=1.0, metavar="CPUS",
+                   help="CPUs Ray reserves for each replica; --threads defaults to it (default: %(default)s)")
+    r.add_argument("--ray-replicas-per-node", type=_at_least(1), default=None, metavar="N",
+                   help="most replicas Ray places on one node (default: as many as its CPUs hold)")
+    r.add_argument("--routing", choices=["prefix-aware", "round-robin", "least-loaded"], default="prefix-aware",
+                   help="which replica gets a request: the one holding the longest cached prefix of its prompt "
+                        "(else the least-loaded), in turn, or the one with fewest requests in flight "
+                        "(default: %(default)s)")
+    r.add_argument("--routing-min-match-blocks", type=_at_least(1), default=1, metavar="N",
+                   help="prefix-aware: fewer cached blocks than this on every replica means least-loaded "
+                        "(default: %(default)s)")
+    r.add_argument("--routing-max-imbalance", type=_at_least(0), default=8, metavar="N",
+                   help="prefix-aware: go to the least-loaded replica instead when the best match has more than "
+                        "N requests in flight beyond it (default: %(default)s)")
+    r.add_argument("--ray-retry-failed", action="store_true",
+                   help="a request whose replica dies before it responded is sent to another replica "
+                        "(default: it gets 503 replica_failed)")
+    r.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="the Ray cluster to join, as `ray start --head` printed it, or auto (default: "
+                        "RAY_ADDRESS, else a new local one)")
+    r.add_argument("--ray-scale", type=_at_least(1), default=None, metavar="N",
+                   help="change the running app's replica count to N, in place, and return")
+    r.add_argument("--ray-detach", action="store_true",
+                   help="deploy and return; the app runs on until `serve shutdown` (default: serve until Ctrl-C)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and its access log (default: %(default)s)")
     disaggregate.add_arguments(parser)
@@ -258,6 +286,9 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     resolve_model(args)
+    if args.ray:
+        from pdserve.ray.app import run as run_on_ray   # needs the ray extra: the CLI says so if missing
+        return run_on_ray(args)
     if args.disaggregate:
         check_engine_args(args)
         return disaggregate.run(args)

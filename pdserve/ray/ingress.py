@@ -1,0 +1,109 @@
+"""The one HTTP endpoint in front of the engine replicas: it forwards every request, as it came, to
+a replica through a Serve DeploymentHandle, and streams the replica's response back.
+
+For the completions and chat endpoints it first computes the prompt's block hashes (the same
+tokenizer and chat template as the replicas) for the KV-aware request router; anything it cannot
+read is forwarded with no hashes and gets the replica's own 400. A replica that dies before the
+response began is a 503 `replica_failed`, or, with retry_failed, the request is sent again (another
+replica gets it: Serve drops the dead one); one that dies mid-stream ends the stream with an error
+event, as the server's own failures do."""
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.ray.routing import prompt_block_hashes
+from pdserve.server.streaming import DONE, sse
+
+log = logging.getLogger("pdserve.ray")
+
+ROUTED = {"/v1/completions", "/v1/chat/completions"}
+# not copied from the replica's response: the ingress's own server sets them
+HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"date", b"server"}
+
+
+def replica_failed(what: str) -> dict:
+    return {"error": {"message": f"the replica serving this request failed: {what}", "type": "server_error",
+                      "param": None, "code": "replica_failed"}}
+
+
+class Ingress:
+    def __init__(self, engines, model: str, block_size: int, retry_failed: bool = False, max_attempts: int = 3):
+        from pdserve.tokenizer import Tokenizer
+        self.engines = engines   # DeploymentHandle of the EngineReplica deployment
+        self.tokenizer = Tokenizer.from_dir(model)
+        self.block_size = block_size
+        self.retry_failed = retry_failed
+        self.max_attempts = max_attempts
+
+    def block_hashes(self, path: str, body: bytes) -> list[int]:
+        """The prompt's block hashes, or [] when the body is not one the router can read."""
+        if path not in ROUTED:
+            return []
+        try:
+            req = json.loads(body)
+            if path == "/v1/chat/completions":
+                extra = {"tools": req["tools"]} if req.get("tools") else {}
+                ids = self.tokenizer.encode_chat(req["messages"], add_generation_prompt=True, **extra)
+            else:
+                prompt = req["prompt"]
+                if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                    prompt = prompt[0]   # a batch: routed by its first prompt
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            return prompt_block_hashes(ids, self.block_size, req.get("cache_salt"))
+        except Exception:   # malformed: the replica answers it with the precise 400
+            return []
+
+    async def forward(self, request: Request):
+        body = await request.body()
+        path = request.url.path
+        hashes = self.block_hashes(path, body)
+        call = (request.method, path, request.url.query.encode(), list(request.scope["headers"]), body)
+        attempts = self.max_attempts if self.retry_failed else 1
+        for attempt in range(attempts):
+            stream = self.engines.options(stream=True).forward.remote(*call, block_hashes=hashes)
+            try:
+                head = await stream.__anext__()
+                first = await anext(stream, b"")   # a plain response's whole body; a stream's first event
+            except Exception as e:   # the replica died (RayActorError) or could not be reached
+                stream.cancel()
+                log.warning("replica failed before responding (attempt %d of %d): %r", attempt + 1, attempts, e)
+                error = e
+                continue
+            headers = {k.decode(): v.decode() for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
+            sse_stream = headers.get("content-type", "").startswith("text/event-stream")
+            return StreamingResponse(self._rest(stream, first, sse_stream), status_code=head["status"],
+                                     headers=headers)
+        return JSONResponse(replica_failed(f"{type(error).__name__}"), status_code=503)
+
+    @staticmethod
+    async def _rest(stream, first: bytes, sse_stream: bool):
+        try:
+            if first:
+                yield first
+            async for chunk in stream:
+                yield chunk
+        except Exception as e:   # the replica died mid-response: say so, as the server's own errors do
+            log.warning("replica failed mid-response: %r", e)
+            if sse_stream:
+                yield sse(replica_failed(type(e).__name__)).encode()
+                yield DONE.encode()
+        finally:
+            stream.cancel()   # the client left: the replica's app sees the disconnect and aborts
+
+
+def ingress_class():
+    """Ingress as a Serve FastAPI ingress: one catch-all route. Made here, not at import: Serve binds
+    the route to the class on the driver, and a class made in a function travels to the replica as
+    it is (by value), where a module-level one would be imported fresh there, unbound."""
+    from ray import serve
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)   # the replicas serve /docs
+
+    @serve.ingress(app)
+    class RayIngress(Ingress):
+        @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+        async def route(self, request: Request):
+            return await self.forward(request)
+
+    return RayIngress
