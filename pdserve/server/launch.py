@@ -286,6 +286,9 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     resolve_model(args)
+    if args.ray and args.disaggregate:
+        raise ConfigError("--ray and --disaggregate are two ways to run several engines: choose one "
+                          "(prefill/decode pools on Ray are not built yet)")
     if args.ray:
         from pdserve.ray.app import run as run_on_ray   # needs the ray extra: the CLI says so if missing
         return run_on_ray(args)

@@ -34,6 +34,7 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *words: str) -> None
     (["serve", "--no-such-flag"], ["--no-such-flag"]),
     (["report", "missing.json"], ["missing.json"]),
     (["serve", "--model", "/nonexistent/dir"], ["/nonexistent/dir"]),
+    (["serve", "--ray", "--disaggregate"], ["--ray", "--disaggregate"]),
 ])
 def test_bad_input_is_one_line(args, words):
     assert_one_line_error(pdserve(*args), *words)
