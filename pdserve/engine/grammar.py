@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import llguidance as llg
 import numpy as np
 import torch
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from pdserve.errors import RequestError
 
@@ -90,7 +90,7 @@ class GrammarCompiler:
                 return m
         try:
             text = spec.grammar()
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, GbnfToLarkError) as e:   # the GBNF converter's error is neither
             raise RequestError(f"{spec.param}: not a valid {spec.kind} ({e})", param=spec.param) from None
         m = llg.LLMatcher(lltok, text, log_level=0)   # drops the GIL while it compiles
         if m.is_error():

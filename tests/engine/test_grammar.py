@@ -104,7 +104,8 @@ def test_logits_past_the_tokenizer_vocabulary_are_masked(engine, monkeypatch):
 def test_a_bad_grammar_is_refused_naming_its_field(engine):
     for spec in (GrammarSpec("json", json.dumps({"type": "nonsense"}), "guided_json"),
                  GrammarSpec("regex", "(unclosed", "structured_outputs"),
-                 GrammarSpec("grammar", "start: undefined_rule", "guided_grammar")):
+                 GrammarSpec("grammar", "start: undefined_rule", "guided_grammar"),
+                 GrammarSpec("grammar", "\u00f5\u00fb\x87\t", "guided_grammar")):   # neither lark nor GBNF
         with pytest.raises(RequestError) as e:
             engine.processor.grammars.check(spec)
         assert e.value.param == spec.param
