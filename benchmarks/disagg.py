@@ -41,7 +41,7 @@ import numpy as np
 from benchmarks import compare
 from benchmarks.workloads import WARMUP, WORKLOADS, Workload
 from pdserve.bench import servers
-from pdserve.bench.report import latency_samples
+from pdserve.bench.report import latency_samples, load_step_log
 from pdserve.engine.args import DEFAULT_MODEL
 from pdserve.proxy.cores import format_cores, parse_cores
 
@@ -63,10 +63,8 @@ def bin_label(i: int) -> str:
 # ---------------------------------------------------------------- step logs
 
 def read_steps(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """A server's --step-log (pdserve report's reader); none if the server wrote no log."""
+    return load_step_log(path) if os.path.exists(path) else []
 
 
 def colocated_points(steps: list[dict]) -> list[tuple[int, float]]:
