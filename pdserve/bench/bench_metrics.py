@@ -38,6 +38,7 @@ class RequestResult:
     kind: str | None = None         # dataset label, e.g. "short" / "long", "turn2"
     cached_tokens: int | None = None   # the server's usage.prompt_tokens_details.cached_tokens, if given
     slo_ms: dict | None = None      # the targets it was sent with (--slo-mix): {"ttft": ms, "tpot": ms}
+    text: str = ""                  # the answer as streamed (--save-detailed)
 
     @property
     def tpot(self) -> float | None:

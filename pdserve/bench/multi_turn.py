@@ -27,6 +27,9 @@ class ChatRecorder(StreamRecorder):
         self.text += delta.get("content") or ""
         return bool(delta.get("content")) or "role" not in delta or choice.get("finish_reason") is not None
 
+    def text_of(self, choice: dict) -> str:
+        return (choice.get("delta") or {}).get("content") or ""
+
 
 async def conversation(client: httpx.AsyncClient, url: str, body: dict, turns: list[str], output_len: int,
                        headers: dict, t0: float) -> list[RequestResult]:

@@ -52,6 +52,7 @@ class StreamRecorder:
         self.itl: list[float] = []
         self.usage: dict | None = None
         self.error = ""
+        self.pieces: list[str] = []
 
     def feed(self, line: str, now: float) -> bool:
         """Take one line of the stream received at `now`; False once the stream is over."""
@@ -77,6 +78,7 @@ class StreamRecorder:
             else:
                 self.itl.append(now - self.last)
             self.last = now
+            self.pieces.append(self.text_of(choices[0]))
             if choices[0].get("finish_reason") == "error":
                 self.error = "the server failed the request (finish_reason: error)"
                 return False
@@ -85,6 +87,9 @@ class StreamRecorder:
     def takes(self, choice: dict) -> bool:
         """Whether this chunk's choice carries a token (a completion chunk always does)."""
         return True
+
+    def text_of(self, choice: dict) -> str:
+        return choice.get("text") or ""
 
     def result(self, prompt_len: int | None) -> RequestResult:
         error = self.error
@@ -99,7 +104,7 @@ class StreamRecorder:
         return RequestResult(prompt_len=self.usage.get("prompt_tokens", prompt_len),
                              output_tokens=self.usage["completion_tokens"], ttft=self.first - self.sent,
                              itl=self.itl, latency=self.last - self.sent, success=True,
-                             cached_tokens=cached if isinstance(cached, int) else None)
+                             cached_tokens=cached if isinstance(cached, int) else None, text="".join(self.pieces))
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, req: BenchRequest, headers: dict,
@@ -297,6 +302,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "all, e.g. short:2000:150:0 long:30000:1000:1")
     g.add_argument("--label", default=None, help="name of this run in the JSON and in plots (e.g. pdserve, vllm)")
     g.add_argument("--output", default=None, metavar="FILE", help="write the result as JSON to FILE")
+    g.add_argument("--save-detailed", action="store_true",
+                   help="also write each request's answer text, in send order (vLLM's generated_texts)")
     g.add_argument("--plot", default=None, metavar="DIR", help="also write latency CDF plots (PNG) to DIR")
     g.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds a request may wait for any one read before it fails (default: %(default)s)")
@@ -364,6 +371,8 @@ def run(args: argparse.Namespace) -> int:
         **bench_metrics.compute_metrics(results, duration, slos),
         **spec_decode_delta(spec_before, spec_decode_counters(args.base_url, headers)),
     }
+    if args.save_detailed:
+        res["generated_texts"] = [r.text for r in results]
     if args.dataset_name == "multi-turn" and not args.dataset_path:
         from pdserve.bench.multi_turn import turn_summary
         res.update(num_turns=args.num_turns, **turn_summary(results))

@@ -61,6 +61,7 @@ def test_stream_timings_come_from_token_chunks_and_counts_from_usage():
     assert r.ttft == pytest.approx(0.10) and r.latency == pytest.approx(0.30)   # usage chunk is not a token
     assert r.itl == pytest.approx([0.05, 0.15])
     assert (r.output_tokens, r.prompt_len) == (5, 9)   # the server's count, not the 3 chunks
+    assert r.text == "Once upon"   # what --save-detailed writes
 
 
 @pytest.mark.parametrize("lines, message", [
