@@ -77,7 +77,10 @@ def row_of(system: str, workload: str, res: dict) -> dict:
     return row
 
 
-def run_system(system: str, args, out_dir: str, log_dir: str, seed: int) -> list[dict]:
+def run_system(system: str, args, out_dir: str, log_dir: str, seed: int, server_for=server_for,
+               bench_command=bench_command, row_of=row_of) -> list[dict]:
+    """Start `system`, warm it up, run each of args.workloads through `pdserve bench`, stop it. The
+    three functions are this driver's; benchmarks.spec_compare passes its own."""
     try:
         server = server_for(system, args, log_dir)
     except Exception as e:  # noqa: BLE001  a peer that cannot be installed is a result
