@@ -25,20 +25,23 @@ from pdserve.bench import servers
 from pdserve.engine.args import DEFAULT_MODEL
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FULL = dict(prompts=64, input_len=256, output_len=64, conversations=16, turns=5, turn_output=32)
-QUICK = dict(prompts=8, input_len=64, output_len=16, conversations=4, turns=3, turn_output=8)
+# passage_words: each user turn quotes a story passage, so the history grows also on a random-weight model
+FULL = dict(prompts=64, input_len=256, output_len=64, conversations=16, turns=5, turn_output=32, passage_words=160)
+QUICK = dict(prompts=8, input_len=64, output_len=16, conversations=4, turns=3, turn_output=8, passage_words=30)
 
 
 def bench(url: str, out: str, label: str, sizes: dict, workload: str, seed: int) -> dict:
     """One `pdserve bench` run (a subprocess, so the client does not share this process's GIL)."""
-    cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", url, "--label", label, "--output", out,
-           "--seed", str(seed), "--disable-tqdm", "--num-warmups", "2"]
+    # --model names the checkpoint: a server on that port serving anything else fails the run, not measures it
+    cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", url, "--model", sizes["served_name"], "--label", label,
+           "--output", out, "--seed", str(seed), "--disable-tqdm", "--num-warmups", "2"]
     if workload == "random":
         cmd += ["--dataset-name", "random", "--num-prompts", str(sizes["prompts"]),
                 "--random-input-len", str(sizes["input_len"]), "--random-output-len", str(sizes["output_len"])]
     else:
         cmd += ["--dataset-name", "multi-turn", "--num-prompts", str(sizes["conversations"]),
-                "--num-turns", str(sizes["turns"]), "--random-output-len", str(sizes["turn_output"])]
+                "--num-turns", str(sizes["turns"]), "--random-output-len", str(sizes["turn_output"]),
+                "--turn-passage-words", str(sizes["passage_words"])]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
     with open(out) as f:
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "ray_replicas"))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = dict(QUICK if args.quick else FULL, served_name=os.path.basename(os.path.normpath(args.model)))
     os.makedirs(args.out, exist_ok=True)
     engine = one_engine(args.model, args.out, sizes, args.seed)
     ray_results = ray_runs(args.model, args.out, sizes, args.seed)
