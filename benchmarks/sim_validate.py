@@ -1,28 +1,36 @@
-"""Simulator validation: the same workload through a real pdserve server (measured by `pdserve
+"""Simulator validation: the same workload through a real pdserve deployment (measured by `pdserve
 bench`) and through `pdserve simulate`, side by side: mean TTFT, mean TPOT, output throughput and
 the error of each prediction (the target is within 15%).
 
-Per model: fit the step-time model on this machine (`pdserve simulate --fit-cost-model
---save-cost-model`), start `pdserve serve --step-log`, run each workload with `pdserve bench
+Per model and deployment: fit the step-time model on this machine as its engines run (`pdserve
+simulate --fit-cost-model --save-cost-model`; one thread pinned to one core for 1P1D's workers and
+the Ray replicas), start the deployment with `--step-log`, run each workload with `pdserve bench
 --vocab-size V` (so both sides draw the same prompt ids, lengths and arrival times), and simulate
 it twice: with the model fitted before (end to end: that fit never saw the measured run), and
-with one fitted on the server's own logged steps of the run (`--step-log`: the simulation of
-scheduling and queueing given the step costs; on a machine shared with other work the first
-drifts with the load, the second much less). Writes RESULTS/sim/validate.json and a Markdown
-table to stdout.
+with one fitted on the deployment's own logged steps of the run (`--step-log`: the simulation of
+scheduling, routing and queueing given the step costs; on a machine shared with other work the
+first drifts with the load, the second much less). For 1P1D the KV hand-off's --kv-bandwidth and
+--kv-latency-ms come from `benchmarks.kv_transfer --cache-only` (TCP, this machine) and the proxy's
+overhead on the warm-up (prior), or the run's own pulls and proxy overhead (run's steps). Writes
+RESULTS/sim/validate.json and a Markdown table to stdout.
 
-    python -m benchmarks.sim_validate --quick                      # tiny model, 2 workloads (~3 min)
+    python -m benchmarks.sim_validate --quick                      # tiny model, 2 workloads per deployment
     python -m benchmarks.sim_validate --model-05b /work/q05        # and the 0.5B-shaped model
+    python -m benchmarks.sim_validate --deployments engine 1p1d    # some of the deployments
     python -m benchmarks.sim_validate --dry-run                    # the commands only
 
-Deployments: `engine` (one `pdserve serve`). Others (1P1D of issue 29, replicas on Ray of issue
-30) are DEPLOYMENTS entries: the servers to start, the URL bench sends to and the simulator's
-placement flags; an entry whose commands this checkout lacks is listed as not measured."""
+Deployments (DEPLOYMENTS): `engine` (one `pdserve serve`), `1p1d` (`pdserve serve --disaggregate`:
+a prefill and a decode worker on a core each, behind the proxy) and `ray2` (`pdserve serve --ray
+--num-replicas 2 --ray-cpus-per-replica 1` on a local Ray instance, prefix-aware routing, which the
+simulator runs as `--router prefix-aware`); one whose launch this checkout lacks is listed as not
+measured."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -63,29 +71,53 @@ def workloads(model_kind: str, quick: bool) -> list[Workload]:
 @dataclass(frozen=True)
 class Deployment:
     name: str
-    sim_flags: tuple[str, ...]
-    needs: str | None = None   # a `pdserve serve --help` flag this deployment's launch needs
+    serve_flags: tuple[str, ...]   # `pdserve serve` flags that launch it
+    sim_flags: tuple[str, ...]     # `pdserve simulate` placement flags
+    fit_flags: tuple[str, ...] = ()           # one engine's flags as it runs there, for the prior fit
+    fit_cores: tuple[int, ...] | None = None  # and the cores the fit is pinned to (as the worker is)
+    roles: tuple[str, ...] = ()    # the launcher writes --step-log FILE's .ROLE variants, one per worker
+    kv: bool = False               # the simulation takes the KV hand-off's --kv-bandwidth and --kv-latency-ms
+    needs: str | None = None       # a `pdserve serve --help` flag its launch needs
+    needs_module: str | None = None   # and a module (an optional extra)
 
     def missing(self) -> str | None:
+        if self.needs_module and importlib.util.find_spec(self.needs_module) is None:
+            return f"needs the {self.needs_module} extra (pip install -e '.[{self.needs_module}]')"
         if self.needs is None:
             return None
         text = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--help"], capture_output=True,
                               text=True).stdout
         return None if self.needs in text else f"needs `pdserve serve {self.needs}`, not in this checkout"
 
+    def step_logs(self, path: str) -> list[str]:
+        root, ext = os.path.splitext(path)
+        return [f"{root}.{role}{ext}" for role in self.roles] if self.roles else [path]
 
+
+# Each worker of 1P1D (the launcher pins prefill to core 0, decode to core 1) and each Ray replica
+# (--ray-cpus-per-replica 1) runs one forward thread: their step-time model is fitted on one thread
+# pinned to one core. Ray's router is prefix-aware by default; the simulator runs that router's code.
+ONE_CORE = dict(fit_flags=("--threads", "1"), fit_cores=(0,))
 DEPLOYMENTS = {
-    "engine": Deployment("1 engine", ("--replicas", "1")),
-    "1p1d": Deployment("1P1D", ("--prefill-replicas", "1", "--decode-replicas", "1"), needs="--role"),
-    "ray2": Deployment("2 replicas (Ray)", ("--replicas", "2"), needs="--ray"),
+    "engine": Deployment("1 engine", (), ("--replicas", "1")),
+    "1p1d": Deployment("1P1D", ("--disaggregate",), ("--prefill-replicas", "1", "--decode-replicas", "1"),
+                       roles=("prefill", "decode"), kv=True, needs="--disaggregate", **ONE_CORE),
+    "ray2": Deployment("2 replicas (Ray)", ("--ray", "--num-replicas", "2", "--ray-cpus-per-replica", "1",
+                                            "--routing", "prefix-aware"),
+                       ("--replicas", "2", "--router", "prefix-aware"), needs="--ray", needs_module="ray", **ONE_CORE),
 }
 
 
-def run_logged(cmd: list[str], log: str, timeout: float) -> int:
+def run_logged(cmd: list[str], log: str, timeout: float, cores: tuple[int, ...] | None = None) -> int:
     with open(log, "w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
+        f.write("$ " + shown(cmd, cores) + "\n")
         f.flush()
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, preexec_fn=pin).returncode
+
+
+def shown(cmd: list[str], cores: tuple[int, ...] | None = None) -> str:
+    return " ".join((["taskset", "-c", ",".join(map(str, cores))] if cores else []) + cmd)
 
 
 def error_pct(measured: float, predicted: float) -> float | None:
@@ -100,75 +132,195 @@ def compare(measured: dict, predicted: dict[str, dict]) -> list[dict]:
             for key, title in METRICS]
 
 
+def kv_link(model: str, out_dir: str, label: str) -> dict:
+    """This machine's TCP KV pull, as the 1P1D workers make it: `benchmarks.kv_transfer --cache-only`
+    at a short and a long prompt, fitted as latency + bytes / bandwidth."""
+    points = []
+    for n in KV_PROMPT_LENS:
+        log = os.path.join(out_dir, f"{label}-kv-transfer-{n}.log")
+        cmd = [sys.executable, "-m", "benchmarks.kv_transfer", model, "--cache-only", "--transports", "tcp",
+               "--prompt-len", str(n), "--requests", "7"]
+        if run_logged(cmd, log, 300):
+            raise RuntimeError(f"benchmarks.kv_transfer failed: see {log}")
+        with open(log) as f:
+            row = json.loads([line for line in f if line.startswith("{")][-1])
+        points.append((row["bytes_per_request"], row["ms_per_request_median"] / 1e3))
+    (b0, t0), (b1, t1) = points
+    bandwidth = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
+    return {"bandwidth_gb_s": bandwidth / 1e9, "latency_ms": max(0.0, t0 - b0 / bandwidth) * 1e3, "points": points}
+
+
+def kv_flags(bandwidth_gb_s: float, latency_ms: float) -> list[str]:
+    return ["--kv-bandwidth", f"{bandwidth_gb_s:.4g}", "--kv-latency-ms", f"{latency_ms:.4g}"]
+
+
+KV_PROMPT_LENS = (16, 4096)
+# the decode worker's pulls, and what the proxy's two calls take beyond the workers' own TTFT
+KV_COUNTERS = ("pdserve:kv_transfer_bytes_total", "pdserve:kv_transfer_seconds_total", "pdserve:kv_transfers_total")
+TTFT, TPOT = "pdserve:time_to_first_token_seconds", "pdserve:request_time_per_output_token_seconds"
+PROXY_CALLS = (("prefill", "pdserve:proxy_prefill_seconds"), ("decode", "pdserve:proxy_decode_ttft_seconds"))
+
+
+def worker_url(log_path: str, role: str) -> str | None:
+    """The URL `pdserve serve --disaggregate` printed for this worker."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        m = re.search(rf"^{role} worker: (http://\S+)", f.read(), re.M)
+    return m.group(1) if m else None
+
+
+def handoff_metrics(server: servers.Server) -> dict:
+    """The proxy's and both workers' /metrics that time the hand-off (totals since they started)."""
+    urls = {"proxy": server.base_url, **{r: worker_url(server.log_path, r) for r in ("prefill", "decode")}}
+    keep = (*KV_COUNTERS, *(f"{h}_{x}" for h in (TTFT, TPOT, *(n for _, n in PROXY_CALLS)) for x in ("sum", "count")))
+    return {name: {k: v for k, v in servers.scrape_metrics(url).items() if k in keep}
+            for name, url in urls.items() if url}
+
+
+def handoff(before: dict, after: dict, link_gb_s: float) -> dict | None:
+    """The hand-off between `before` and `after` as the simulator's KV flags. Bandwidth: the
+    link's, or the decode worker's pulls' own rate where they were faster (the link was measured
+    under other load). Latency: what the pulls took beyond their bytes over that; the proxy's
+    overhead, each of its two calls (prefill; decode to its first token) as the proxy timed it
+    less that worker's own TTFT (arrival in its engine to the token), i.e. the HTTP round trips;
+    and the decode worker's admission: its TTFT less the pull and one decode step (its TPOT)."""
+    d = {(w, k): after.get(w, {}).get(k, 0.0) - before.get(w, {}).get(k, 0.0)
+         for w in ("proxy", "prefill", "decode") for k in {k for m in after.values() for k in m}}
+    mean = lambda w, h: d[(w, h + "_sum")] / d[(w, h + "_count")] if d.get((w, h + "_count")) else None  # noqa: E731
+    n = d.get(("decode", "pdserve:kv_transfers_total"))
+    calls = [(mean("proxy", name), mean(role, TTFT)) for role, name in PROXY_CALLS]
+    tpot = mean("decode", TPOT)
+    if not n or tpot is None or any(a is None or b is None for a, b in calls):
+        return None
+    pull = d[("decode", "pdserve:kv_transfer_seconds_total")] / n
+    nbytes = d[("decode", "pdserve:kv_transfer_bytes_total")] / n
+    bandwidth = max(link_gb_s * 1e9, nbytes / pull if pull > 0 else 0.0)
+    parts = {"pull_latency_ms": pull - nbytes / bandwidth, "proxy_overhead_ms": sum(c - t for c, t in calls),
+             "decode_admission_ms": calls[1][1] - pull - tpot}
+    parts = {k: max(0.0, v) * 1e3 for k, v in parts.items()}
+    return {"requests": n, "mean_pull_ms": pull * 1e3, "mean_bytes": nbytes, "bandwidth_gb_s": bandwidth / 1e9,
+            **parts, "latency_ms": sum(parts.values())}
+
+
+def steps_flags(logs: list[str], roles: tuple[str, ...], counted: bool = True) -> list[str]:
+    """--step-log for the run's steps; with a prefill and a decode worker, each pool its own
+    model, unless the prefill worker took too few steps to fit one (then one model of both)."""
+    from pdserve.sim.steplog import MIN_STEPS
+    by_role = dict(zip(roles, logs))
+    if "prefill" in by_role and "decode" in by_role:
+        if not counted:
+            return ["--step-log", by_role["decode"], "--prefill-step-log", by_role["prefill"]]
+        with open(by_role["prefill"]) as f:
+            if sum(1 for line in f if line.strip()) >= MIN_STEPS:
+                return ["--step-log", by_role["decode"], "--prefill-step-log", by_role["prefill"]]
+    return ["--step-log", *logs]
+
+
 def validate_model(label: str, model: str, kind: str, args, out_dir: str) -> list[dict]:
     from pdserve.config import ModelConfig
     vocab = ModelConfig.from_dir(model).vocab_size
     engine_flags = args.engine_args.split()
     py = [sys.executable, "-m", "pdserve"]
-    cost_file = os.path.join(out_dir, f"{label}-cost-model.json")
-    fit = py + ["simulate", "--fit-cost-model", "--save-cost-model", cost_file, "--model", model, "--num-prompts",
-                "1", *engine_flags]
+    fitted: set[str] = set()   # cost model files: deployments whose engines run alike share one
 
-    def server_for(tag: str) -> tuple[servers.Server, str]:
+    def fit_for(dep: Deployment) -> tuple[list[str], tuple | None, str, str]:
+        """(command, cores, cost model file, log) of the prior fit for this deployment's engines."""
+        suffix = "" if (dep.fit_flags, dep.fit_cores) == ((), None) else "-1core"
+        cost_file = os.path.join(out_dir, f"{label}-cost-model{suffix}.json")
+        cmd = py + ["simulate", "--fit-cost-model", "--save-cost-model", cost_file, "--model", model,
+                    "--num-prompts", "1", *engine_flags, *dep.fit_flags]
+        return cmd, dep.fit_cores, cost_file, os.path.join(out_dir, f"{label}-fit{suffix}.log")
+
+    def server_for(tag: str, dep: Deployment) -> tuple[servers.Server, str]:
         """A fresh server per workload, so its step log holds that run's steps only."""
         port, step_log = servers.free_port(), os.path.join(out_dir, f"{tag}-steps.jsonl")
         cmd = py + ["serve", "--model", model, "--port", str(port), "--log-level", "warning", "--step-log", step_log,
-                    *engine_flags]
+                    *engine_flags, *dep.serve_flags]
         return servers.Server(f"pdserve-{tag}", cmd, port, os.path.join(out_dir, f"{tag}-server.log")), step_log
 
+    link = None
     rows = []
     for key, dep in DEPLOYMENTS.items():
-        if key != "engine":
-            why = dep.missing()
-            rows.append({"model": label, "deployment": dep.name, "workload": "-", "not_measured": why or
-                         "its launch is not in this driver yet"})
+        if key not in args.deployments:
             continue
+        why = dep.missing()
+        if why:
+            rows.append({"model": label, "deployment": dep.name, "workload": "-", "not_measured": why})
+            continue
+        fit, cores, cost_file, fit_log = fit_for(dep)
         jobs = []
         for w in workloads(kind, args.quick):
             tag = f"{label}-{key}-{w.name.replace(' ', '_').replace('/', '-')}"
-            server, step_log = server_for(tag)
+            server, step_log = server_for(tag, dep)
             common = py + ["bench", "--base-url", server.base_url, "--vocab-size", str(vocab), "--disable-tqdm"]
             # the warm-up is a run of its own (other prompts), so the step log can be emptied after it
             warmup = common + ["--seed", str(SEED + 1), *w.flags, "--num-prompts", "2"]
             bench = common + ["--seed", str(SEED), "--output", os.path.join(out_dir, f"{tag}-bench.json"), *w.flags]
             sim = py + ["simulate", "--model", model, "--seed", str(SEED), *dep.sim_flags, *engine_flags, *w.flags]
-            sims = {"prior": sim + ["--cost-model", cost_file, "--output", os.path.join(out_dir, f"{tag}-sim.json")],
-                    "steps": sim + ["--step-log", step_log, "--output", os.path.join(out_dir, f"{tag}-sim-steps.json")]}
-            jobs.append((w, tag, server, step_log, (warmup, bench), sims))
+            jobs.append((w, tag, server, dep.step_logs(step_log), (warmup, bench), sim))
         if args.dry_run:
-            print(" ".join(fit))
-            for _, _, server, _, benches, sims in jobs:
+            if cost_file not in fitted:
+                fitted.add(cost_file)
+                print(shown(fit, cores))
+            if dep.kv:
+                print(" ".join([sys.executable, "-m", "benchmarks.kv_transfer", model, "--cache-only", "--transports",
+                                "tcp", "--prompt-len", "N"]) + f"  # N = {', '.join(map(str, KV_PROMPT_LENS))}")
+            for _, _, server, logs, benches, sim in jobs:
                 print(" ".join(server.cmd))
-                for bench in benches:
-                    print("  " + " ".join(bench))
-                for sim in sims.values():
-                    print("  " + " ".join(sim))
+                for cmd in benches:
+                    print("  " + " ".join(cmd))
+                kv = ["--kv-bandwidth", "GB_S", "--kv-latency-ms", "MS"] if dep.kv else []   # measured
+                print("  " + " ".join(sim + ["--cost-model", cost_file] + kv))
+                print("  " + " ".join(sim + steps_flags(logs, dep.roles, counted=False) + kv))
             continue
-        t0 = time.monotonic()
-        if run_logged(fit, os.path.join(out_dir, f"{label}-fit.log"), 900):
-            raise RuntimeError(f"fitting the cost model failed: see {out_dir}/{label}-fit.log")
-        print(f"{label}: cost model fitted ({time.monotonic() - t0:.0f} s)", flush=True)
-        for w, tag, server, step_log, (warmup, bench), _ in jobs:
-            if os.path.exists(step_log):
-                os.remove(step_log)   # the server appends
+        if cost_file not in fitted:
             t0 = time.monotonic()
-            with server.start(timeout=600):
+            if run_logged(fit, fit_log, 900, cores):
+                raise RuntimeError(f"fitting the cost model failed: see {fit_log}")
+            fitted.add(cost_file)
+            where = f" on core(s) {','.join(map(str, cores))}" if cores else ""
+            print(f"{label}: cost model fitted{where} ({time.monotonic() - t0:.0f} s)", flush=True)
+        if dep.kv and link is None:
+            link = kv_link(model, out_dir, label)
+            print(f"{label}: KV pull over TCP {link['bandwidth_gb_s']:.2f} GB/s + {link['latency_ms']:.2f} ms",
+                  flush=True)
+        for w, tag, server, logs, (warmup, bench), sim in jobs:
+            for log in logs:
+                if os.path.exists(log):
+                    os.remove(log)   # the server appends
+            t0 = time.monotonic()
+            with server.start(timeout=900):
                 run_logged(warmup, os.path.join(out_dir, f"{tag}-warmup.log"), 900)
-                with open(step_log, "r+") as f:   # the server appends (O_APPEND): it writes on from 0
-                    f.truncate(0)
+                for log in logs:
+                    with open(log, "r+") as f:   # the server appends (O_APPEND): it writes on from 0
+                        f.truncate(0)
+                before = handoff_metrics(server) if dep.kv else {}
                 rc = run_logged(bench, os.path.join(out_dir, f"{tag}-bench.log"), 900)
-            print(f"{label} {w.name}: bench exit {rc} ({time.monotonic() - t0:.0f} s)", flush=True)
-        for w, tag, _, _, _, sims in jobs:
+                after = handoff_metrics(server) if dep.kv else {}
+            print(f"{label} {dep.name} {w.name}: bench exit {rc} ({time.monotonic() - t0:.0f} s)", flush=True)
+            steps = steps_flags(logs, dep.roles)
+            sims, extra = {"prior": sim + ["--cost-model", cost_file], "steps": sim + steps}, {"steps_fit": steps}
+            if dep.kv:
+                # before the run: the link as kv_transfer measured it, plus the proxy's overhead on
+                # the warm-up; the run's steps: the run's own pulls and proxy overhead
+                bw = link["bandwidth_gb_s"]
+                warm, run = handoff({}, before, bw), handoff(before, after, bw)
+                prior_ms = link["latency_ms"] + (warm["latency_ms"] - warm["pull_latency_ms"] if warm else 0.0)
+                extra.update(kv_link=link, handoff_warmup=warm, handoff_run=run,
+                             handoff_metrics={"before": before, "after": after})
+                sims["prior"] += kv_flags(bw, prior_ms)
+                sims["steps"] += kv_flags(run["bandwidth_gb_s"], run["latency_ms"]) if run else kv_flags(bw, prior_ms)
             predicted = {}
-            for name, sim in sims.items():
-                if run_logged(sim, os.path.join(out_dir, f"{tag}-sim-{name}.log"), 900):
-                    raise RuntimeError(f"pdserve simulate failed: see {out_dir}/{tag}-sim-{name}.log")
-                with open(sim[-1]) as f:
+            for name, cmd in sims.items():
+                out = os.path.join(out_dir, f"{tag}-sim-{name}.json")
+                log = os.path.join(out_dir, f"{tag}-sim-{name}.log")
+                if run_logged(cmd + ["--output", out], log, 900):
+                    raise RuntimeError(f"pdserve simulate failed: see {log}")
+                with open(out) as f:
                     predicted[name] = json.load(f)
             with open(os.path.join(out_dir, f"{tag}-bench.json")) as f:
                 measured = json.load(f)
             rows.append({"model": label, "deployment": dep.name, "workload": w.name, "failed": measured["failed"],
-                         "metrics": compare(measured, predicted)})
+                         "metrics": compare(measured, predicted), **extra})
     return rows
 
 
@@ -184,9 +336,9 @@ def markdown(rows: list[dict], load: str) -> str:
             lines.append(f"| {r['model']} | {r['deployment']} | - | not measured: {r['not_measured']} | | | | | |")
             continue
         for m in r["metrics"]:
-            lines.append(f"| {r['model']} | {r['deployment']} | {r['workload']} | {m['metric']} | {m['measured']:.2f} | "
-                         f"{m['predicted_prior']:.2f} | {err(m['error_pct_prior'])} | {m['predicted_steps']:.2f} | "
-                         f"{err(m['error_pct_steps'])} |")
+            lines.append(f"| {r['model']} | {r['deployment']} | {r['workload']} | {m['metric']} | "
+                         f"{m['measured']:.2f} | {m['predicted_prior']:.2f} | {err(m['error_pct_prior'])} | "
+                         f"{m['predicted_steps']:.2f} | {err(m['error_pct_steps'])} |")
     return "\n".join(lines)
 
 
@@ -199,6 +351,8 @@ def parse_args(argv):
     p.add_argument("--engine-args", default="", help="extra engine flags for serve, the fit and simulate, one string")
     p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument("--quick", action="store_true", help="fewer requests per workload")
+    p.add_argument("--deployments", nargs="+", choices=list(DEPLOYMENTS), default=list(DEPLOYMENTS),
+                   help="which to validate (default: all)")
     p.add_argument("--dry-run", action="store_true")
     return p.parse_args(argv)
 
