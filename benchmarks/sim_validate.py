@@ -30,12 +30,13 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
+from benchmarks.sim_hops import (KV_PROMPT_LENS, PROBE, handoff, handoff_metrics, kv_flags, kv_link, router_latency,
+                                 run_logged, shown)
 from pdserve.bench import servers
 from pdserve.engine.args import DEFAULT_MODEL
 
@@ -77,6 +78,7 @@ class Deployment:
     fit_cores: tuple[int, ...] | None = None  # and the cores the fit is pinned to (as the worker is)
     roles: tuple[str, ...] = ()    # the launcher writes --step-log FILE's .ROLE variants, one per worker
     kv: bool = False               # the simulation takes the KV hand-off's --kv-bandwidth and --kv-latency-ms
+    probe: bool = False            # and --router-latency-ms, measured on a probe before the run
     needs: str | None = None       # a `pdserve serve --help` flag its launch needs
     needs_module: str | None = None   # and a module (an optional extra)
 
@@ -104,21 +106,9 @@ DEPLOYMENTS = {
                        roles=("prefill", "decode"), kv=True, needs="--disaggregate", **ONE_CORE),
     "ray2": Deployment("2 replicas (Ray)", ("--ray", "--num-replicas", "2", "--ray-cpus-per-replica", "1",
                                             "--routing", "prefix-aware"),
-                       ("--replicas", "2", "--router", "prefix-aware"), needs="--ray", needs_module="ray", **ONE_CORE),
+                       ("--replicas", "2", "--router", "prefix-aware"), probe=True, needs="--ray", needs_module="ray",
+                       **ONE_CORE),
 }
-
-
-def run_logged(cmd: list[str], log: str, timeout: float, cores: tuple[int, ...] | None = None) -> int:
-    with open(log, "w") as f:
-        f.write("$ " + shown(cmd, cores) + "\n")
-        f.flush()
-        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, preexec_fn=pin).returncode
-
-
-def shown(cmd: list[str], cores: tuple[int, ...] | None = None) -> str:
-    return " ".join((["taskset", "-c", ",".join(map(str, cores))] if cores else []) + cmd)
-
 
 def error_pct(measured: float, predicted: float) -> float | None:
     return None if not measured else 100.0 * (predicted - measured) / measured
@@ -130,75 +120,6 @@ def compare(measured: dict, predicted: dict[str, dict]) -> list[dict]:
              **{f"predicted_{name}": p[key] for name, p in predicted.items()},
              **{f"error_pct_{name}": error_pct(measured[key], p[key]) for name, p in predicted.items()}}
             for key, title in METRICS]
-
-
-def kv_link(model: str, out_dir: str, label: str) -> dict:
-    """This machine's TCP KV pull, as the 1P1D workers make it: `benchmarks.kv_transfer --cache-only`
-    at a short and a long prompt, fitted as latency + bytes / bandwidth."""
-    points = []
-    for n in KV_PROMPT_LENS:
-        log = os.path.join(out_dir, f"{label}-kv-transfer-{n}.log")
-        cmd = [sys.executable, "-m", "benchmarks.kv_transfer", model, "--cache-only", "--transports", "tcp",
-               "--prompt-len", str(n), "--requests", "7"]
-        if run_logged(cmd, log, 300):
-            raise RuntimeError(f"benchmarks.kv_transfer failed: see {log}")
-        with open(log) as f:
-            row = json.loads([line for line in f if line.startswith("{")][-1])
-        points.append((row["bytes_per_request"], row["ms_per_request_median"] / 1e3))
-    (b0, t0), (b1, t1) = points
-    bandwidth = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / t1
-    return {"bandwidth_gb_s": bandwidth / 1e9, "latency_ms": max(0.0, t0 - b0 / bandwidth) * 1e3, "points": points}
-
-
-def kv_flags(bandwidth_gb_s: float, latency_ms: float) -> list[str]:
-    return ["--kv-bandwidth", f"{bandwidth_gb_s:.4g}", "--kv-latency-ms", f"{latency_ms:.4g}"]
-
-
-KV_PROMPT_LENS = (16, 4096)
-# the decode worker's pulls, and what the proxy's two calls take beyond the workers' own TTFT
-KV_COUNTERS = ("pdserve:kv_transfer_bytes_total", "pdserve:kv_transfer_seconds_total", "pdserve:kv_transfers_total")
-TTFT, TPOT = "pdserve:time_to_first_token_seconds", "pdserve:request_time_per_output_token_seconds"
-PROXY_CALLS = (("prefill", "pdserve:proxy_prefill_seconds"), ("decode", "pdserve:proxy_decode_ttft_seconds"))
-
-
-def worker_url(log_path: str, role: str) -> str | None:
-    """The URL `pdserve serve --disaggregate` printed for this worker."""
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        m = re.search(rf"^{role} worker: (http://\S+)", f.read(), re.M)
-    return m.group(1) if m else None
-
-
-def handoff_metrics(server: servers.Server) -> dict:
-    """The proxy's and both workers' /metrics that time the hand-off (totals since they started)."""
-    urls = {"proxy": server.base_url, **{r: worker_url(server.log_path, r) for r in ("prefill", "decode")}}
-    keep = (*KV_COUNTERS, *(f"{h}_{x}" for h in (TTFT, TPOT, *(n for _, n in PROXY_CALLS)) for x in ("sum", "count")))
-    return {name: {k: v for k, v in servers.scrape_metrics(url).items() if k in keep}
-            for name, url in urls.items() if url}
-
-
-def handoff(before: dict, after: dict, link_gb_s: float) -> dict | None:
-    """The hand-off between `before` and `after` as the simulator's KV flags. Bandwidth: the
-    link's, or the decode worker's pulls' own rate where they were faster (the link was measured
-    under other load). Latency: what the pulls took beyond their bytes over that; the proxy's
-    overhead, each of its two calls (prefill; decode to its first token) as the proxy timed it
-    less that worker's own TTFT (arrival in its engine to the token), i.e. the HTTP round trips;
-    and the decode worker's admission: its TTFT less the pull and one decode step (its TPOT)."""
-    d = {(w, k): after.get(w, {}).get(k, 0.0) - before.get(w, {}).get(k, 0.0)
-         for w in ("proxy", "prefill", "decode") for k in {k for m in after.values() for k in m}}
-    mean = lambda w, h: d[(w, h + "_sum")] / d[(w, h + "_count")] if d.get((w, h + "_count")) else None  # noqa: E731
-    n = d.get(("decode", "pdserve:kv_transfers_total"))
-    calls = [(mean("proxy", name), mean(role, TTFT)) for role, name in PROXY_CALLS]
-    tpot = mean("decode", TPOT)
-    if not n or tpot is None or any(a is None or b is None for a, b in calls):
-        return None
-    pull = d[("decode", "pdserve:kv_transfer_seconds_total")] / n
-    nbytes = d[("decode", "pdserve:kv_transfer_bytes_total")] / n
-    bandwidth = max(link_gb_s * 1e9, nbytes / pull if pull > 0 else 0.0)
-    parts = {"pull_latency_ms": pull - nbytes / bandwidth, "proxy_overhead_ms": sum(c - t for c, t in calls),
-             "decode_admission_ms": calls[1][1] - pull - tpot}
-    parts = {k: max(0.0, v) * 1e3 for k, v in parts.items()}
-    return {"requests": n, "mean_pull_ms": pull * 1e3, "mean_bytes": nbytes, "bandwidth_gb_s": bandwidth / 1e9,
-            **parts, "latency_ms": sum(parts.values())}
 
 
 def steps_flags(logs: list[str], roles: tuple[str, ...], counted: bool = True) -> list[str]:
@@ -213,6 +134,68 @@ def steps_flags(logs: list[str], roles: tuple[str, ...], counted: bool = True) -
             if sum(1 for line in f if line.strip()) >= MIN_STEPS:
                 return ["--step-log", by_role["decode"], "--prefill-step-log", by_role["prefill"]]
     return ["--step-log", *logs]
+
+
+@dataclass
+class Job:
+    """One workload on one deployment: the server, the commands to measure it and to simulate it."""
+    workload: Workload
+    tag: str
+    server: servers.Server
+    logs: list[str]              # the step logs the deployment writes
+    warmup: list[str]
+    bench: list[str]
+    sim: list[str]               # without the step-time model's flags
+    probe: list[str] | None = None       # the router-latency probe, and its simulation
+    probe_sim: list[str] | None = None
+
+
+def measure(job: Job, dep: Deployment, out_dir: str) -> tuple[int, dict, dict]:
+    """Start the deployment, warm it up (and probe it), empty its step logs, run the workload:
+    (bench's exit status, the hand-off metrics before and after the run)."""
+    for log in job.logs:
+        if os.path.exists(log):
+            os.remove(log)   # the server appends
+    with job.server.start(timeout=900):
+        run_logged(job.warmup, os.path.join(out_dir, f"{job.tag}-warmup.log"), 900)
+        if job.probe:   # its steps are dropped with the warm-up's
+            run_logged(job.probe, os.path.join(out_dir, f"{job.tag}-probe.log"), 900)
+        for log in job.logs:
+            with open(log, "r+") as f:   # the server appends (O_APPEND): it writes on from 0
+                f.truncate(0)
+        before = handoff_metrics(job.server) if dep.kv else {}
+        rc = run_logged(job.bench, os.path.join(out_dir, f"{job.tag}-bench.log"), 900)
+        after = handoff_metrics(job.server) if dep.kv else {}
+    return rc, before, after
+
+
+def predict(job: Job, dep: Deployment, cost_file: str, link: dict | None, before: dict, after: dict,
+            out_dir: str) -> tuple[dict, dict]:
+    """({"prior": ..., "steps": ...} simulation results, what the row records of how they were set up)."""
+    steps = steps_flags(job.logs, dep.roles)
+    sims, extra = {"prior": job.sim + ["--cost-model", cost_file], "steps": job.sim + steps}, {"steps_fit": steps}
+    if job.probe_sim:
+        extra["router_latency"] = router_latency(job.probe, job.probe_sim, out_dir, job.tag)
+        for name in sims:
+            sims[name] += ["--router-latency-ms", f"{extra['router_latency']['latency_ms']:.4g}"]
+    if dep.kv:
+        # before the run: the link as kv_transfer measured it, plus the proxy's overhead on the
+        # warm-up; the run's steps: the run's own pulls and proxy overhead
+        bw = link["bandwidth_gb_s"]
+        warm, run = handoff({}, before, bw), handoff(before, after, bw)
+        prior_ms = link["latency_ms"] + (warm["latency_ms"] - warm["pull_latency_ms"] if warm else 0.0)
+        extra.update(kv_link=link, handoff_warmup=warm, handoff_run=run, handoff_metrics={"before": before,
+                                                                                          "after": after})
+        sims["prior"] += kv_flags(bw, prior_ms)
+        sims["steps"] += kv_flags(run["bandwidth_gb_s"], run["latency_ms"]) if run else kv_flags(bw, prior_ms)
+    predicted = {}
+    for name, cmd in sims.items():
+        out, log = (os.path.join(out_dir, f"{job.tag}-sim-{name}.{ext}") for ext in ("json", "log"))
+        if run_logged(cmd + ["--output", out], log, 900):
+            raise RuntimeError(f"pdserve simulate failed: see {log}")
+        with open(out) as f:
+            predicted[name] = json.load(f)
+    return predicted, extra
 
 
 def validate_model(label: str, model: str, kind: str, args, out_dir: str) -> list[dict]:
@@ -230,12 +213,26 @@ def validate_model(label: str, model: str, kind: str, args, out_dir: str) -> lis
                     "--num-prompts", "1", *engine_flags, *dep.fit_flags]
         return cmd, dep.fit_cores, cost_file, os.path.join(out_dir, f"{label}-fit{suffix}.log")
 
-    def server_for(tag: str, dep: Deployment) -> tuple[servers.Server, str]:
+    def job_for(key: str, dep: Deployment, w: Workload, cost_file: str) -> Job:
         """A fresh server per workload, so its step log holds that run's steps only."""
+        tag = f"{label}-{key}-{w.name.replace(' ', '_').replace('/', '-')}"
         port, step_log = servers.free_port(), os.path.join(out_dir, f"{tag}-steps.jsonl")
         cmd = py + ["serve", "--model", model, "--port", str(port), "--log-level", "warning", "--step-log", step_log,
                     *engine_flags, *dep.serve_flags]
-        return servers.Server(f"pdserve-{tag}", cmd, port, os.path.join(out_dir, f"{tag}-server.log")), step_log
+        server = servers.Server(f"pdserve-{tag}", cmd, port, os.path.join(out_dir, f"{tag}-server.log"))
+        common = py + ["bench", "--base-url", server.base_url, "--vocab-size", str(vocab), "--disable-tqdm"]
+        sim = py + ["simulate", "--model", model, "--seed", str(SEED), *dep.sim_flags, *engine_flags, *w.flags]
+        job = Job(w, tag, server, dep.step_logs(step_log),
+                  # the warm-up is a run of its own (other prompts), so the step log can be emptied after it
+                  common + ["--seed", str(SEED + 1), *w.flags, "--num-prompts", "2"],
+                  common + ["--seed", str(SEED), "--output", os.path.join(out_dir, f"{tag}-bench.json"), *w.flags],
+                  sim)
+        if dep.probe:
+            probe_out = os.path.join(out_dir, f"{tag}-probe.json")
+            job.probe = common + ["--seed", str(SEED + 2), *PROBE, "--output", probe_out]
+            job.probe_sim = py + ["simulate", "--model", model, "--seed", str(SEED + 2), *dep.sim_flags, *engine_flags,
+                                  *PROBE, "--cost-model", cost_file]
+        return job
 
     link = None
     rows = []
@@ -247,16 +244,7 @@ def validate_model(label: str, model: str, kind: str, args, out_dir: str) -> lis
             rows.append({"model": label, "deployment": dep.name, "workload": "-", "not_measured": why})
             continue
         fit, cores, cost_file, fit_log = fit_for(dep)
-        jobs = []
-        for w in workloads(kind, args.quick):
-            tag = f"{label}-{key}-{w.name.replace(' ', '_').replace('/', '-')}"
-            server, step_log = server_for(tag, dep)
-            common = py + ["bench", "--base-url", server.base_url, "--vocab-size", str(vocab), "--disable-tqdm"]
-            # the warm-up is a run of its own (other prompts), so the step log can be emptied after it
-            warmup = common + ["--seed", str(SEED + 1), *w.flags, "--num-prompts", "2"]
-            bench = common + ["--seed", str(SEED), "--output", os.path.join(out_dir, f"{tag}-bench.json"), *w.flags]
-            sim = py + ["simulate", "--model", model, "--seed", str(SEED), *dep.sim_flags, *engine_flags, *w.flags]
-            jobs.append((w, tag, server, dep.step_logs(step_log), (warmup, bench), sim))
+        jobs = [job_for(key, dep, w, cost_file) for w in workloads(kind, args.quick)]
         if args.dry_run:
             if cost_file not in fitted:
                 fitted.add(cost_file)
@@ -264,13 +252,15 @@ def validate_model(label: str, model: str, kind: str, args, out_dir: str) -> lis
             if dep.kv:
                 print(" ".join([sys.executable, "-m", "benchmarks.kv_transfer", model, "--cache-only", "--transports",
                                 "tcp", "--prompt-len", "N"]) + f"  # N = {', '.join(map(str, KV_PROMPT_LENS))}")
-            for _, _, server, logs, benches, sim in jobs:
-                print(" ".join(server.cmd))
-                for cmd in benches:
-                    print("  " + " ".join(cmd))
-                kv = ["--kv-bandwidth", "GB_S", "--kv-latency-ms", "MS"] if dep.kv else []   # measured
-                print("  " + " ".join(sim + ["--cost-model", cost_file] + kv))
-                print("  " + " ".join(sim + steps_flags(logs, dep.roles, counted=False) + kv))
+            for job in jobs:
+                print(" ".join(job.server.cmd))
+                for cmd in (job.warmup, job.probe, job.bench, job.probe_sim):
+                    if cmd:
+                        print("  " + " ".join(cmd))
+                extra = (["--kv-bandwidth", "GB_S", "--kv-latency-ms", "MS"] if dep.kv else []) + \
+                        (["--router-latency-ms", "MS"] if dep.probe else [])   # measured
+                print("  " + " ".join(job.sim + ["--cost-model", cost_file] + extra))
+                print("  " + " ".join(job.sim + steps_flags(job.logs, dep.roles, counted=False) + extra))
             continue
         if cost_file not in fitted:
             t0 = time.monotonic()
@@ -283,44 +273,16 @@ def validate_model(label: str, model: str, kind: str, args, out_dir: str) -> lis
             link = kv_link(model, out_dir, label)
             print(f"{label}: KV pull over TCP {link['bandwidth_gb_s']:.2f} GB/s + {link['latency_ms']:.2f} ms",
                   flush=True)
-        for w, tag, server, logs, (warmup, bench), sim in jobs:
-            for log in logs:
-                if os.path.exists(log):
-                    os.remove(log)   # the server appends
+        for job in jobs:
             t0 = time.monotonic()
-            with server.start(timeout=900):
-                run_logged(warmup, os.path.join(out_dir, f"{tag}-warmup.log"), 900)
-                for log in logs:
-                    with open(log, "r+") as f:   # the server appends (O_APPEND): it writes on from 0
-                        f.truncate(0)
-                before = handoff_metrics(server) if dep.kv else {}
-                rc = run_logged(bench, os.path.join(out_dir, f"{tag}-bench.log"), 900)
-                after = handoff_metrics(server) if dep.kv else {}
-            print(f"{label} {dep.name} {w.name}: bench exit {rc} ({time.monotonic() - t0:.0f} s)", flush=True)
-            steps = steps_flags(logs, dep.roles)
-            sims, extra = {"prior": sim + ["--cost-model", cost_file], "steps": sim + steps}, {"steps_fit": steps}
-            if dep.kv:
-                # before the run: the link as kv_transfer measured it, plus the proxy's overhead on
-                # the warm-up; the run's steps: the run's own pulls and proxy overhead
-                bw = link["bandwidth_gb_s"]
-                warm, run = handoff({}, before, bw), handoff(before, after, bw)
-                prior_ms = link["latency_ms"] + (warm["latency_ms"] - warm["pull_latency_ms"] if warm else 0.0)
-                extra.update(kv_link=link, handoff_warmup=warm, handoff_run=run,
-                             handoff_metrics={"before": before, "after": after})
-                sims["prior"] += kv_flags(bw, prior_ms)
-                sims["steps"] += kv_flags(run["bandwidth_gb_s"], run["latency_ms"]) if run else kv_flags(bw, prior_ms)
-            predicted = {}
-            for name, cmd in sims.items():
-                out = os.path.join(out_dir, f"{tag}-sim-{name}.json")
-                log = os.path.join(out_dir, f"{tag}-sim-{name}.log")
-                if run_logged(cmd + ["--output", out], log, 900):
-                    raise RuntimeError(f"pdserve simulate failed: see {log}")
-                with open(out) as f:
-                    predicted[name] = json.load(f)
-            with open(os.path.join(out_dir, f"{tag}-bench.json")) as f:
+            rc, before, after = measure(job, dep, out_dir)
+            print(f"{label} {dep.name} {job.workload.name}: bench exit {rc} ({time.monotonic() - t0:.0f} s)",
+                  flush=True)
+            predicted, extra = predict(job, dep, cost_file, link, before, after, out_dir)
+            with open(os.path.join(out_dir, f"{job.tag}-bench.json")) as f:
                 measured = json.load(f)
-            rows.append({"model": label, "deployment": dep.name, "workload": w.name, "failed": measured["failed"],
-                         "metrics": compare(measured, predicted), **extra})
+            rows.append({"model": label, "deployment": dep.name, "workload": job.workload.name,
+                         "failed": measured["failed"], "metrics": compare(measured, predicted), **extra})
     return rows
 
 

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--router", choices=("round-robin", "least-loaded", "prefix-aware"), default="round-robin",
                    help="which replica gets a request; prefix-aware is the Ray app's router (pdserve/ray/routing.py) "
                         "(default: %(default)s)")
+    g.add_argument("--router-latency-ms", type=float, default=0.0,
+                   help="what the router's or proxy's hops add to each request, there and back (a Ray ingress, "
+                        "an HTTP proxy); it reaches its replica this much later (default: %(default)s)")
     g.add_argument("--kv-bandwidth", type=float, default=10.0, metavar="GB/S",
                    help="disaggregated: K/V transfer bandwidth, GB/s (default: %(default)s)")
     g.add_argument("--kv-latency-ms", type=float, default=2.0,
@@ -156,6 +159,8 @@ def check_args(args) -> dict:
         raise ValueError("--prefill-replicas and --decode-replicas go together")
     if not (args.kv_bandwidth > 0 and math.isfinite(args.kv_bandwidth)) or args.kv_latency_ms < 0:
         raise ValueError("--kv-bandwidth must be > 0 GB/s and --kv-latency-ms >= 0")
+    if not (args.router_latency_ms >= 0 and math.isfinite(args.router_latency_ms)):
+        raise ValueError(f"--router-latency-ms must be >= 0, got {args.router_latency_ms}")
     if args.search:
         if not slos:
             raise ValueError("--search needs --goodput targets, e.g. --goodput ttft:2000 tpot:150")
@@ -198,7 +203,7 @@ def run(args) -> int:
 
     def simulate(placement: Placement, reqs) -> dict:
         sim = Simulation(spec, placement, step_time, args.router, transfer, args.max_concurrency,
-                         prefill_step_time if placement.disaggregated else None)
+                         prefill_step_time if placement.disaggregated else None, args.router_latency_ms / 1e3)
         m = report.summarize(sim.run(reqs), slos)
         return {"placement": placement.label, "machines": placement.machines, **m}
 

@@ -112,12 +112,16 @@ class Router:
 
 class Simulation:
     def __init__(self, spec: ReplicaSpec, placement: Placement, step_time, router: str = "round-robin",
-                 transfer: KVTransfer | None = None, max_concurrency: int | None = None, prefill_step_time=None):
-        """prefill_step_time: the prefill workers' own step-time model (default: step_time)."""
+                 transfer: KVTransfer | None = None, max_concurrency: int | None = None, prefill_step_time=None,
+                 router_latency_s: float = 0.0):
+        """prefill_step_time: the prefill workers' own step-time model (default: step_time);
+        router_latency_s: what the router's (or proxy's) hops add to each request, there and back
+        (a Ray ingress, an HTTP proxy): the request reaches its replica that much later."""
         if placement.disaggregated and transfer is None:
             raise ValueError("a disaggregated placement needs a KV transfer model")
         self.loop, self.spec, self.placement, self.transfer = EventLoop(), spec, placement, transfer
         self.max_concurrency = max_concurrency
+        self.router_latency_s = router_latency_s
         make = lambda name, st=step_time: Replica(self.loop, name, spec.cfg, st, spec.num_blocks,   # noqa: E731
                                                   spec.max_model_len, spec.vocab_size, self._on_finish)
         if placement.disaggregated:
@@ -181,7 +185,11 @@ class Simulation:
             router.completed(target)
             return self._done(i, RequestResult(prompt_len=n, start_time=now, kind=r.kind, error=why))
         self._client[id(seq)] = (i, now, r)
-        target.add(seq_to_add)
+        if self.router_latency_s > 0:
+            seq.metrics.arrival_time = seq_to_add.metrics.arrival_time = now + self.router_latency_s
+            self.loop.at(now + self.router_latency_s, target.add, seq_to_add)
+        else:
+            target.add(seq_to_add)
 
     def _sequence(self, rid: str, r: SimRequest, max_tokens: int, now: float) -> Sequence:
         obj = RequestObjectives(r.priority, r.ttft_ms, r.tpot_ms) if (r.priority or r.ttft_ms or r.tpot_ms) else None

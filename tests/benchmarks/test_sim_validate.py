@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import sim_validate as sv
+from benchmarks import sim_hops as hops, sim_validate as sv
 
 
 def metrics(n, pull_s, nbytes, proxy_prefill, prefill_ttft, proxy_decode, decode_ttft, decode_tpot):
@@ -12,8 +12,8 @@ def metrics(n, pull_s, nbytes, proxy_prefill, prefill_ttft, proxy_decode, decode
     h = lambda name, mean: {f"{name}_sum": n * mean, f"{name}_count": n}   # noqa: E731
     return {"proxy": {**h("pdserve:proxy_prefill_seconds", proxy_prefill),
                       **h("pdserve:proxy_decode_ttft_seconds", proxy_decode)},
-            "prefill": h(sv.TTFT, prefill_ttft),
-            "decode": {**h(sv.TTFT, decode_ttft), **h(sv.TPOT, decode_tpot), "pdserve:kv_transfers_total": n,
+            "prefill": h(hops.TTFT, prefill_ttft),
+            "decode": {**h(hops.TTFT, decode_ttft), **h(hops.TPOT, decode_tpot), "pdserve:kv_transfers_total": n,
                        "pdserve:kv_transfer_seconds_total": n * pull_s, "pdserve:kv_transfer_bytes_total": n * nbytes}}
 
 
@@ -21,7 +21,7 @@ def test_handoff_is_the_pull_the_proxys_calls_and_the_decode_admission():
     before = metrics(2, 0.5, 1e6, 9.0, 9.0, 9.0, 9.0, 0.5)   # the warm-up: left out of the run's means
     after = {w: {k: before[w][k] + v for k, v in m.items()}
              for w, m in metrics(10, 0.003, 1e6, 0.050, 0.040, 0.030, 0.020, 0.004).items()}
-    h = sv.handoff(before, after, link_gb_s=1.0)
+    h = hops.handoff(before, after, link_gb_s=1.0)
     # 1 MB at 1 GB/s is 1 ms of the 3 ms pull; the calls took 10 + 10 ms beyond the workers' TTFT;
     # the decode worker's TTFT is 20 ms: 3 ms pull, 4 ms step, 13 ms admission
     assert h["requests"] == 10 and h["bandwidth_gb_s"] == pytest.approx(1.0)
@@ -30,9 +30,9 @@ def test_handoff_is_the_pull_the_proxys_calls_and_the_decode_admission():
     assert h["decode_admission_ms"] == pytest.approx(13.0)
     assert h["latency_ms"] == pytest.approx(35.0)
     # a link measured slower than the run's own pulls: their rate, no fixed part
-    slow = sv.handoff(before, after, link_gb_s=0.1)
+    slow = hops.handoff(before, after, link_gb_s=0.1)
     assert slow["bandwidth_gb_s"] == pytest.approx(1e6 / 0.003 / 1e9) and slow["pull_latency_ms"] == 0.0
-    assert sv.handoff(before, before, 1.0) is None   # no requests in between
+    assert hops.handoff(before, before, 1.0) is None   # no requests in between
 
 
 def test_deployments_step_logs_and_their_fits(tmp_path):

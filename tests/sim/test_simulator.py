@@ -138,3 +138,13 @@ def test_prefill_workers_have_their_own_step_time():
     # the prefill step: 10 ms + 99 ms, or 20 ms + 198 ms; the rest is the same
     assert two.ttft - one.ttft == pytest.approx(0.218 - 0.109)
     assert two.latency - two.ttft == pytest.approx(one.latency - one.ttft)
+
+
+@pytest.mark.parametrize("placement", [Placement(replicas=2), Placement(prefill=1, decode=1)])
+def test_router_latency_delays_the_request_not_its_decode(placement):
+    reqs = requests((0.0, 99, 5), (0.5, 40, 3))
+    base = simulate(reqs, placement)[1].results
+    late = simulate(reqs, placement, router_latency_s=0.005)[1].results
+    for a, b in zip(base, late):
+        assert b.ttft == pytest.approx(a.ttft + 0.005)
+        assert b.itl == pytest.approx(a.itl)
