@@ -156,7 +156,12 @@ def measure(job: Job, dep: Deployment, out_dir: str) -> tuple[int, dict, dict]:
     for log in job.logs:
         if os.path.exists(log):
             os.remove(log)   # the server appends
-    with job.server.start(timeout=900):
+    try:
+        job.server.start(timeout=900)
+    except servers.PeerError as e:   # e.g. Ray's HTTP proxy failing its health checks on a loaded machine
+        print(f"{e}\nstarting it once more", file=sys.stderr, flush=True)
+        job.server.start(timeout=900)
+    with job.server:
         run_logged(job.warmup, os.path.join(out_dir, f"{job.tag}-warmup.log"), 900)
         if job.probe:   # its steps are dropped with the warm-up's
             run_logged(job.probe, os.path.join(out_dir, f"{job.tag}-probe.log"), 900)

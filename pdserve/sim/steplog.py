@@ -20,7 +20,7 @@ import numpy as np
 from pdserve.engine.cost_model import StepCostModel
 
 BACK_TO_BACK_S = 0.02   # a longer gap before the next step: the engine was idle (waiting for requests)
-MIN_STEPS = 8
+MIN_STEPS = 4   # more than the model's three coefficients
 
 
 def read_steps(path: str) -> dict[object, list[dict]]:

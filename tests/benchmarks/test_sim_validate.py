@@ -45,6 +45,6 @@ def test_deployments_step_logs_and_their_fits(tmp_path):
                        "num_decode_tokens": 0})
     (tmp_path / "run-steps.prefill.jsonl").write_text((line + "\n") * 3)
     assert sv.steps_flags(logs, one.roles) == ["--step-log", *logs]   # too few prefill steps: one model
-    (tmp_path / "run-steps.prefill.jsonl").write_text((line + "\n") * 8)
+    (tmp_path / "run-steps.prefill.jsonl").write_text((line + "\n") * 4)
     assert sv.steps_flags(logs, one.roles) == ["--step-log", logs[1], "--prefill-step-log", logs[0]]
     assert sv.steps_flags([path], ()) == ["--step-log", path]
