@@ -104,8 +104,9 @@ DEPLOYMENTS = {
     "engine": Deployment("1 engine", (), ("--replicas", "1")),
     "1p1d": Deployment("1P1D", ("--disaggregate",), ("--prefill-replicas", "1", "--decode-replicas", "1"),
                        roles=("prefill", "decode"), kv=True, needs="--disaggregate", **ONE_CORE),
-    "ray2": Deployment("2 replicas (Ray)", ("--ray", "--num-replicas", "2", "--ray-cpus-per-replica", "1",
-                                            "--routing", "prefix-aware"),
+    # --ray-address local: a Ray instance of its own, never one that other work on the machine started
+    "ray2": Deployment("2 replicas (Ray)", ("--ray", "--ray-address", "local", "--num-replicas", "2",
+                                            "--ray-cpus-per-replica", "1", "--routing", "prefix-aware"),
                        ("--replicas", "2", "--router", "prefix-aware"), probe=True, needs="--ray", needs_module="ray",
                        **ONE_CORE),
 }
