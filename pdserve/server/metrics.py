@@ -8,6 +8,7 @@ gauges from engine.get_stats(). prometheus_client is thread-safe.
 import dataclasses
 import json
 import logging
+import os
 import time
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
@@ -36,6 +37,7 @@ class ServerMetrics:
         self._last_step: StepStats | None = None
         # line-buffered: a crash or SIGKILL still leaves every finished step on disk
         self._step_log = open(step_log, "a", buffering=1) if step_log else None
+        self._pid = os.getpid()   # in each line: engines that share a log (Ray replicas) tell their steps apart
         self.model_name = model_name
 
         # every series carries vLLM's model_name label, so dashboards built for vLLM work
@@ -112,7 +114,7 @@ class ServerMetrics:
             if step.num_preemptions:
                 self.preemptions.inc(step.num_preemptions)
             if self._step_log is not None:
-                self._step_log.write(json.dumps(dataclasses.asdict(step)) + "\n")
+                self._step_log.write(json.dumps({**dataclasses.asdict(step), "pid": self._pid}) + "\n")
             self._window[1] += step.num_prefill_tokens
             self._window[2] += step.num_decode_tokens
         self.running.set(stats.num_running)

@@ -21,10 +21,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "`pdserve roofline --cost-model --output FILE`")
     g.add_argument("--fit-cost-model", action="store_true",
                    help="fit the model now on this machine for --model and the engine flags (tens of seconds)")
-    g.add_argument("--step-log", metavar="FILE.jsonl", default=None,
-                   help="fit the model on a server's own steps (`pdserve serve --step-log FILE`)")
+    g.add_argument("--step-log", metavar="FILE.jsonl", nargs="+", default=None,
+                   help="fit the model on servers' own steps (`pdserve serve --step-log FILE`; several files, e.g. "
+                        "a prefill and a decode worker's, make one model)")
     g.add_argument("--gpu", choices=("a100", "h100", "h200"), default=None,
                    help="a roofline of this GPU's datasheet rates (a prediction from assumed efficiencies)")
+    g.add_argument("--prefill-cost-model", metavar="FILE.json", default=None,
+                   help="disaggregated: the prefill workers' own fitted model (default: the one model)")
+    g.add_argument("--prefill-step-log", metavar="FILE.jsonl", nargs="+", default=None,
+                   help="disaggregated: fit the prefill workers' own model on their steps (with --step-log: the "
+                        "decode workers')")
     g.add_argument("--save-cost-model", metavar="FILE.json", default=None, help="with --fit-cost-model: write it")
     g.add_argument("--mfu", type=float, default=0.5, help="--gpu: assumed share of peak FLOP/s (default: %(default)s)")
     g.add_argument("--mbu", type=float, default=0.8,
@@ -36,8 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-replicas", type=int_at_least(1), default=None, metavar="X",
                    help="disaggregated: X prefill workers (with --decode-replicas)")
     g.add_argument("--decode-replicas", type=int_at_least(1), default=None, metavar="Y", help="and Y decode workers")
-    g.add_argument("--router", choices=("round-robin", "least-loaded"), default="round-robin",
-                   help="which replica gets a request (default: %(default)s)")
+    g.add_argument("--router", choices=("round-robin", "least-loaded", "prefix-aware"), default="round-robin",
+                   help="which replica gets a request; prefix-aware is the Ray app's router (pdserve/ray/routing.py) "
+                        "(default: %(default)s)")
+    g.add_argument("--router-latency-ms", type=float, default=0.0,
+                   help="what the router's or proxy's hops add to each request, there and back (a Ray ingress, "
+                        "an HTTP proxy); it reaches its replica this much later (default: %(default)s)")
     g.add_argument("--kv-bandwidth", type=float, default=10.0, metavar="GB/S",
                    help="disaggregated: K/V transfer bandwidth, GB/s (default: %(default)s)")
     g.add_argument("--kv-latency-ms", type=float, default=2.0,
@@ -114,12 +124,28 @@ def build(args):
             model, source = costs.StepCostModel.from_dict(record["cost_model"]), "fitted now"
         elif args.step_log:
             from pdserve.sim.steplog import fit_step_log
-            model, source = fit_step_log(args.step_log), f"fitted on the steps in {args.step_log}"
+            model, source = fit_step_log(args.step_log), f"fitted on the steps in {' '.join(args.step_log)}"
         else:
             model, source = costs.load_cost_model(args.cost_model), args.cost_model
         step_time = costs.FittedStepTime(model, source)
         num_blocks = kv_blocks(cfg, bytes_per_block, max_model_len)
     return ReplicaSpec(cfg, num_blocks, max_model_len, model_cfg.vocab_size), step_time, cost.kv_bytes_per_token
+
+
+def build_prefill_step_time(args):
+    """The prefill workers' own step-time model, where one is given (None: they use the one model)."""
+    from pdserve.sim import costs
+    if args.prefill_cost_model and args.prefill_step_log:
+        raise ValueError("give --prefill-cost-model or --prefill-step-log, not both")
+    if not (args.prefill_cost_model or args.prefill_step_log):
+        return None
+    if args.prefill_replicas is None and not args.search:
+        raise ValueError("--prefill-cost-model and --prefill-step-log need --prefill-replicas (or --search)")
+    if args.prefill_step_log:
+        from pdserve.sim.steplog import fit_step_log
+        return costs.FittedStepTime(fit_step_log(args.prefill_step_log),
+                                    f"fitted on the steps in {' '.join(args.prefill_step_log)}")
+    return costs.FittedStepTime(costs.load_cost_model(args.prefill_cost_model), args.prefill_cost_model)
 
 
 def check_args(args) -> dict:
@@ -133,6 +159,8 @@ def check_args(args) -> dict:
         raise ValueError("--prefill-replicas and --decode-replicas go together")
     if not (args.kv_bandwidth > 0 and math.isfinite(args.kv_bandwidth)) or args.kv_latency_ms < 0:
         raise ValueError("--kv-bandwidth must be > 0 GB/s and --kv-latency-ms >= 0")
+    if not (args.router_latency_ms >= 0 and math.isfinite(args.router_latency_ms)):
+        raise ValueError(f"--router-latency-ms must be >= 0, got {args.router_latency_ms}")
     if args.search:
         if not slos:
             raise ValueError("--search needs --goodput targets, e.g. --goodput ttft:2000 tpot:150")
@@ -156,6 +184,7 @@ def run(args) -> int:
     try:
         slos = check_args(args)
         spec, step_time, kv_bytes = build(args)
+        prefill_step_time = build_prefill_step_time(args)
         transfer = KVTransfer(kv_bytes, args.kv_bandwidth * GB, args.kv_latency_ms / 1e3)
         if args.trace:
             requests = workload.load_trace(args.trace, spec.vocab_size, args.seed)
@@ -166,16 +195,20 @@ def run(args) -> int:
         print(f"pdserve simulate: error: {e}", file=sys.stderr)
         return 2
     print(step_time.describe())
+    if prefill_step_time is not None:
+        print(f"prefill workers: {prefill_step_time.describe()}")
     print(f"replica: {spec.num_blocks} KV blocks of {spec.cfg.block_size} tokens, budget "
           f"{spec.cfg.max_num_batched_tokens} tokens, {spec.cfg.max_num_seqs} seats, policy "
           f"{spec.cfg.scheduling_policy}")
 
     def simulate(placement: Placement, reqs) -> dict:
-        sim = Simulation(spec, placement, step_time, args.router, transfer, args.max_concurrency)
+        sim = Simulation(spec, placement, step_time, args.router, transfer, args.max_concurrency,
+                         prefill_step_time if placement.disaggregated else None, args.router_latency_ms / 1e3)
         m = report.summarize(sim.run(reqs), slos)
         return {"placement": placement.label, "machines": placement.machines, **m}
 
     out = {"step_time": step_time.describe(), "kind": step_time.kind, "goodput_slos_ms": slos or None,
+           "prefill_step_time": prefill_step_time.describe() if prefill_step_time is not None else None,
            "router": args.router, "max_concurrency": args.max_concurrency}
     if args.search:
         per_machine = args.num_prompts or 100

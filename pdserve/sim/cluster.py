@@ -20,7 +20,7 @@ from pdserve.sim.events import EventLoop
 from pdserve.sim.replica import Replica
 from pdserve.sim.workload import SimRequest
 
-ROUTERS = ("round-robin", "least-loaded")
+ROUTERS = ("round-robin", "least-loaded", "prefix-aware")
 
 
 @dataclass(frozen=True)
@@ -78,41 +78,69 @@ class SimResult:
 
 
 class Router:
-    def __init__(self, replicas: list[Replica], kind: str):
+    """round-robin; least-loaded (fewest requests waiting, running or loading; ties: the first);
+    prefix-aware: the Ray app's own router (pdserve/ray/routing.py), which remembers the prompt
+    blocks it sent to each replica and counts the requests it has in flight there."""
+
+    def __init__(self, replicas: list[Replica], kind: str, block_size: int = 16, capacity_blocks: int = 1 << 16):
         if kind not in ROUTERS:
             raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {kind!r}")
         self.replicas, self.kind = replicas, kind
         self._next = itertools.cycle(range(len(replicas)))
+        self._kv = None
+        if kind == "prefix-aware":
+            from pdserve.ray.routing import Router as KVAwareRouter   # plain Python: no Ray needed
+            self._kv, self.block_size, self.capacity_blocks = KVAwareRouter(kind), block_size, capacity_blocks
 
-    def pick(self) -> Replica:
+    def pick(self, prompt: list[int] = ()) -> Replica:
+        if self._kv is not None:
+            from pdserve.ray.routing import prompt_block_hashes
+            hashes = prompt_block_hashes(prompt, self.block_size)
+            replica, _ = self._kv.choose(self.replicas, hashes)
+            self._kv.record(replica, hashes, self.capacity_blocks)
+            self._kv.sent(replica)
+            return replica
         if self.kind == "round-robin":
             return self.replicas[next(self._next)]
         return min(self.replicas, key=lambda r: r.load)   # ties: the first
 
+    def completed(self, replica: Replica) -> None:
+        """A request sent to `replica` has its answer (or its refusal)."""
+        if self._kv is not None:
+            self._kv.completed(replica)
+
 
 class Simulation:
     def __init__(self, spec: ReplicaSpec, placement: Placement, step_time, router: str = "round-robin",
-                 transfer: KVTransfer | None = None, max_concurrency: int | None = None):
+                 transfer: KVTransfer | None = None, max_concurrency: int | None = None, prefill_step_time=None,
+                 router_latency_s: float = 0.0):
+        """prefill_step_time: the prefill workers' own step-time model (default: step_time);
+        router_latency_s: what the router's (or proxy's) hops add to each request, there and back
+        (a Ray ingress, an HTTP proxy): the request reaches its replica that much later."""
         if placement.disaggregated and transfer is None:
             raise ValueError("a disaggregated placement needs a KV transfer model")
         self.loop, self.spec, self.placement, self.transfer = EventLoop(), spec, placement, transfer
         self.max_concurrency = max_concurrency
-        make = lambda name: Replica(self.loop, name, spec.cfg, step_time, spec.num_blocks,   # noqa: E731
-                                    spec.max_model_len, spec.vocab_size, self._on_finish)
+        self.router_latency_s = router_latency_s
+        make = lambda name, st=step_time: Replica(self.loop, name, spec.cfg, st, spec.num_blocks,   # noqa: E731
+                                                  spec.max_model_len, spec.vocab_size, self._on_finish)
         if placement.disaggregated:
-            self.prefill = [make(f"prefill-{i}") for i in range(placement.prefill)]
+            self.prefill = [make(f"prefill-{i}", prefill_step_time or step_time) for i in range(placement.prefill)]
             self.decode = [make(f"decode-{i}") for i in range(placement.decode)]
             for r in self.prefill:
                 r.hold_kv = True
-            self.prefill_router, self.router = Router(self.prefill, router), Router(self.decode, router)
+            self.prefill_router, self.router = self._router(self.prefill, router), self._router(self.decode, router)
         else:
             self.prefill, self.decode = [], [make(f"replica-{i}") for i in range(placement.replicas)]
-            self.router = Router(self.decode, router)
+            self.router = self._router(self.decode, router)
         self.results: list[RequestResult | None] = []
         self._client: dict[int, tuple[int, float, SimRequest]] = {}   # id(seq) -> (index, send time, request)
         self._decode_of: dict[int, tuple[Sequence, int, float, SimRequest]] = {}   # prefill seq -> its decode
         self._backlog: deque = deque()
         self._in_flight = 0
+
+    def _router(self, replicas: list[Replica], kind: str) -> Router:
+        return Router(replicas, kind, self.spec.cfg.block_size, self.spec.num_blocks)
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         self.results = [None] * len(requests)
@@ -147,16 +175,21 @@ class Simulation:
         if self.placement.disaggregated:
             first = self._sequence(f"req-{i}-prefill", r, 1, now)
             self._decode_of[id(first)] = (seq, i, now, r)
-            target = self.prefill_router.pick()
-            seq_to_add = first
+            router, seq_to_add = self.prefill_router, first
         else:
-            target, seq_to_add = self.router.pick(), seq
+            router, seq_to_add = self.router, seq
+        target = router.pick(r.prompt)
         why = target.scheduler.policy.refuse(seq_to_add, target.scheduler, now)
         if why is not None:
             self._decode_of.pop(id(seq_to_add), None)
+            router.completed(target)
             return self._done(i, RequestResult(prompt_len=n, start_time=now, kind=r.kind, error=why))
         self._client[id(seq)] = (i, now, r)
-        target.add(seq_to_add)
+        if self.router_latency_s > 0:
+            seq.metrics.arrival_time = seq_to_add.metrics.arrival_time = now + self.router_latency_s
+            self.loop.at(now + self.router_latency_s, target.add, seq_to_add)
+        else:
+            target.add(seq_to_add)
 
     def _sequence(self, rid: str, r: SimRequest, max_tokens: int, now: float) -> Sequence:
         obj = RequestObjectives(r.priority, r.ttft_ms, r.tpot_ms) if (r.priority or r.ttft_ms or r.tpot_ms) else None
@@ -179,11 +212,13 @@ class Simulation:
     def _on_finish(self, replica: Replica, seq: Sequence, now: float) -> None:
         handoff = self._decode_of.pop(id(seq), None)
         if handoff is not None:   # a prefill worker's part is done: the proxy sends it on
+            self.prefill_router.completed(replica)
             decode_seq = handoff[0]
-            target = self.router.pick()
+            target = self.router.pick(decode_seq.prompt_token_ids)
             target.add_remote(decode_seq, self.transfer.seconds(decode_seq.num_tokens - 1),
                               lambda: replica.release(seq))
             return
+        self.router.completed(replica)
         i, sent, r = self._client.pop(id(seq))
         m = seq.metrics
         t = m.token_times

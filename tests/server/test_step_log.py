@@ -15,3 +15,4 @@ def test_step_log_lines_match_the_step_metrics(server):
     assert len(rows) == m["pdserve:step_num_seqs_count"]
     assert sum(row["num_decode_tokens"] for row in rows) == m["pdserve:step_decode_tokens_sum"]
     assert all(row["duration"] >= row["forward_time"] > 0 and row["num_seqs"] >= 1 for row in rows)
+    assert {row["pid"] for row in rows} == {server.proc.pid}   # engines sharing a log tell their lines apart

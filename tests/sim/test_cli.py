@@ -67,6 +67,48 @@ def test_step_log_fit(tmp_path):
         fit_step_log(str(path))
 
 
+def _steps(pid, t0, n, gap=0.010):
+    """n back-to-back steps of 10 ms + 1 ms a token from t0, 10 ms apart, as `pid` logs them."""
+    rows, t = [], t0
+    for i in range(n):
+        tokens = 1 + (i * 37 + pid) % 200
+        duration = 0.010 + 0.001 * tokens
+        rows.append({"start_time": t, "duration": duration, "num_seqs": 1, "num_prefill_tokens": tokens,
+                     "num_decode_tokens": 0, "num_preemptions": 0, "forward_time": duration, "pid": pid})
+        t += duration + gap
+    return rows
+
+
+def test_step_log_of_engines_sharing_a_file(tmp_path):
+    """Two engines (Ray replicas) append to one log, their steps interleaved in time: each one's
+    period is the gap to its own next step, not to the other's."""
+    path = tmp_path / "steps.jsonl"
+    rows = _steps(101, 0.0, 30) + _steps(202, 0.005, 30)
+    path.write_text("\n".join(map(json.dumps, sorted(rows, key=lambda r: r["start_time"]))) + "\n")
+    assert fit_step_log(str(path)).predict(100, 1, 0) == pytest.approx(0.020 + 0.1, rel=0.02)
+
+
+def test_step_logs_of_two_workers_make_one_model(tmp_path):
+    """A prefill and a decode worker's logs (`--step-log A B`): one model fitted on both, each
+    file's gaps its own (the second worker's clock runs 5 ms into the first one's steps)."""
+    a, b = tmp_path / "steps.prefill.jsonl", tmp_path / "steps.decode.jsonl"
+    a.write_text("\n".join(map(json.dumps, _steps(1, 0.0, 3))) + "\n")
+    b.write_text("\n".join(map(json.dumps, _steps(1, 0.005, 6))) + "\n")
+    with pytest.raises(ValueError, match="3 steps"):
+        fit_step_log(str(a))
+    assert fit_step_log([str(a), str(b)]).predict(100, 1, 0) == pytest.approx(0.020 + 0.1, rel=0.02)
+
+
+def test_simulate_fits_several_step_logs(tmp_path, capsys):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(map(json.dumps, _steps(1, 0.0, 6))) + "\n")
+    b.write_text("\n".join(map(json.dumps, _steps(2, 0.0, 6))) + "\n")
+    rc = main(["simulate", "--step-log", str(a), str(b), "--num-prompts", "4", "--random-input-len", "32",
+               "--random-output-len", "4", "--replicas", "2", "--router", "prefix-aware"])
+    assert rc == 0
+    assert f"fitted on the steps in {a} {b}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "give one step-time model"),
     (["--gpu", "h100", "--cost-model", "x.json"], "--cost-model and --gpu"),
@@ -81,6 +123,10 @@ def test_step_log_fit(tmp_path):
     (["--gpu", "h100", "--mfu", "2"], "--mfu"),
     (["--gpu", "h100", "--replicas", "0"], "must be >= 1"),
     (["--cost-model", "BADJSON"], "not JSON"),
+    (["--gpu", "h100", "--prefill-cost-model", "x.json"], "need --prefill-replicas"),
+    (["--gpu", "h100", "--router-latency-ms", "-1"], "--router-latency-ms must be >= 0"),
+    (["--gpu", "h100", "--prefill-replicas", "1", "--decode-replicas", "1", "--prefill-cost-model", "x.json",
+      "--prefill-step-log", "y.jsonl"], "not both"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
     trace = tmp_path / "t.jsonl"

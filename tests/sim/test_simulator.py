@@ -4,6 +4,7 @@ import pytest
 from pdserve.bench import bench_metrics
 from pdserve.sim.cluster import Placement
 from pdserve.sim.report import summarize
+from pdserve.sim.workload import SimRequest
 from tests.sim.helpers import FAKE, requests, simulate, spec
 
 
@@ -110,3 +111,40 @@ def test_least_loaded_routing_avoids_the_busy_replica():
     rr = simulate(reqs, Placement(replicas=2))[1]
     ll = simulate(reqs, Placement(replicas=2), router="least-loaded")[1]
     assert ll.results[2].ttft < rr.results[2].ttft
+
+
+def test_prefix_aware_routing_finds_the_cached_prefix():
+    """A prompt that extends an earlier one: the Ray app's prefix-aware router sends it to the
+    replica that served the earlier one (a prefix-cache hit there); round-robin, to the other."""
+    shared = [(7 * j) % 1000 for j in range(256)]
+    reqs = [SimRequest(0.0, shared, 4), SimRequest(1.0, shared + [1, 2, 3], 4)]
+    sp = spec(enable_prefix_caching=True)
+    sim_rr, rr = simulate(reqs, Placement(replicas=2), sp)
+    sim_pa, pa = simulate(reqs, Placement(replicas=2), sp, router="prefix-aware")
+    assert [r.num_steps for r in sim_rr.decode] == [4, 4]
+    assert [r.num_steps for r in sim_pa.decode] == [8, 0]
+    assert pa.results[1].ttft < rr.results[1].ttft
+    assert set(sim_pa.router._kv.in_flight.values()) == {0}   # every request's completion reached the router
+
+
+def test_prefill_workers_have_their_own_step_time():
+    """xPyD with a prefill pool twice as slow: the prompts take longer (TTFT), the decodes do not."""
+    from pdserve.engine.cost_model import StepCostModel
+    from pdserve.sim.costs import FittedStepTime
+    slow = FittedStepTime(StepCostModel((0.020, 0.002, 0.0, 0.0)))
+    reqs = requests((0.0, 99, 5))
+    one = simulate(reqs, Placement(prefill=1, decode=1))[1].results[0]
+    two = simulate(reqs, Placement(prefill=1, decode=1), prefill_step_time=slow)[1].results[0]
+    # the prefill step: 10 ms + 99 ms, or 20 ms + 198 ms; the rest is the same
+    assert two.ttft - one.ttft == pytest.approx(0.218 - 0.109)
+    assert two.latency - two.ttft == pytest.approx(one.latency - one.ttft)
+
+
+@pytest.mark.parametrize("placement", [Placement(replicas=2), Placement(prefill=1, decode=1)])
+def test_router_latency_delays_the_request_not_its_decode(placement):
+    reqs = requests((0.0, 99, 5), (0.5, 40, 3))
+    base = simulate(reqs, placement)[1].results
+    late = simulate(reqs, placement, router_latency_s=0.005)[1].results
+    for a, b in zip(base, late):
+        assert b.ttft == pytest.approx(a.ttft + 0.005)
+        assert b.itl == pytest.approx(a.itl)
