@@ -30,11 +30,8 @@ def ray_url():
     # A loaded machine starts a node's agents slowly: the raylet may wait longer for them (the
     # processes Ray starts inherit the variable).
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
-    c = Cluster()
-    port = free_port()
+    c, port = start_cluster(Cluster), free_port()
     try:
-        c.add_node(num_cpus=1, object_store_memory=100 << 20, include_dashboard=False)   # the head
-        c.add_node(num_cpus=1, object_store_memory=100 << 20)
         ray.init(address=c.address, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
         yield f"http://127.0.0.1:{port}"
@@ -42,3 +39,18 @@ def ray_url():
         serve.shutdown()
         ray.shutdown()
         c.shutdown()
+
+
+def start_cluster(Cluster, attempts: int = 3):
+    """The head and one more node. A node whose raylet has not registered within Ray's fixed 30 s
+    (a starved machine) fails its start: the cluster is then started again."""
+    for attempt in range(attempts):
+        c = Cluster()
+        try:
+            c.add_node(num_cpus=1, object_store_memory=100 << 20, include_dashboard=False)   # the head
+            c.add_node(num_cpus=1, object_store_memory=100 << 20)
+            return c
+        except Exception as e:
+            c.shutdown()
+            if attempt == attempts - 1 or "timed out during startup" not in str(e):
+                raise
