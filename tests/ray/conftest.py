@@ -21,16 +21,25 @@ def ray_model(make_tiny):
     return make_tiny("llama", **SLOW)
 
 
+_start_failed: list[str] = []   # pytest sets a failed session fixture up again for each test: once is enough
+
+
 @pytest.fixture(scope="session")
 def ray_url():
     """The base URL of Serve's HTTP proxy on the cluster's head node."""
+    if _start_failed:
+        pytest.fail(f"the Ray cluster did not start: {_start_failed[0]}")
     ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]' (.ci/run installs it)")
     serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]'")
     from ray.cluster_utils import Cluster
     # A loaded machine starts a node's agents slowly: the raylet may wait longer for them (the
     # processes Ray starts inherit the variable).
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
-    c, port = start_cluster(Cluster), free_port()
+    try:
+        c, port = start_cluster(Cluster), free_port()
+    except Exception as e:
+        _start_failed.append(f"{type(e).__name__}: {e}")
+        raise
     try:
         ray.init(address=c.address, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
