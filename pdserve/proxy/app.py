@@ -71,7 +71,7 @@ def build_app(proxy: Proxy, connect_timeout: float = 5.0, max_body_bytes: int = 
                                            headers=proxy.headers_for(request.headers))
         except httpx.HTTPError as e:
             return failure(worker, e, proxy.read_timeout).response()
-        return Refused(r).response() if r.status_code != 200 else Response(
+        return Refused.of(r).response() if r.status_code != 200 else Response(
             r.content, media_type=r.headers.get("content-type", "application/json"))
 
     @app.get("/v1/models")

@@ -45,7 +45,12 @@ def check_pairing(prefill: list[Worker], decode: list[Worker], headers: dict | N
     twice = sorted({u for u in seen if seen.count(u) > 1})
     if twice:
         raise ConfigError(f"a worker is given more than once: {', '.join(twice)}")
-    info = {w.url: describe(w, headers or {}, timeout) for w in workers}
+    return check_described(workers, {w.url: describe(w, headers or {}, timeout) for w in workers})
+
+
+def check_described(workers: list[Worker], info: dict[str, dict]) -> Pairing:
+    """The checks on what the workers said (worker URL -> its /v1/kv_transfer answer): shared
+    with the Ray app, which asks its replicas through Serve instead of over HTTP."""
     for w in workers:
         if info[w.url]["role"] != w.role:
             raise ConfigError(f"--{w.role} {w.url} is a worker with role {info[w.url]['role']!r}, not "

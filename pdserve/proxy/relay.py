@@ -43,10 +43,13 @@ class WorkerFailure(Exception):
 class Refused(Exception):
     """A worker answered with an error of its own: the client gets it unchanged."""
 
-    def __init__(self, response: httpx.Response):
-        self.status = response.status_code
-        self.body = response.content
-        self.headers = {k: response.headers[k] for k in PASSED_HEADERS if k in response.headers}
+    def __init__(self, status: int, body: bytes, headers: dict):
+        self.status, self.body = status, body
+        self.headers = {k: v for k, v in headers.items() if k.lower() in PASSED_HEADERS}
+
+    @classmethod
+    def of(cls, response: httpx.Response) -> "Refused":
+        return cls(response.status_code, response.content, dict(response.headers))
 
     def response(self) -> Response:
         return Response(self.body, status_code=self.status, headers=self.headers)
@@ -72,6 +75,26 @@ def prefill_body(body: dict, chat: bool) -> dict:
     if chat and "max_completion_tokens" in body:
         b["max_completion_tokens"] = 1
     return b
+
+
+def kv_params(content: bytes, worker) -> dict:
+    """The kv_transfer_params of a prefill worker's answer (the contract's step 3)."""
+    try:
+        params = json.loads(content).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        params = None
+    if not isinstance(params, dict):
+        raise WorkerFailure(502, "bad_worker_response", f"{worker} answered without kv_transfer_params "
+                            "(is it a `--role prefill` worker?)", "broken")
+    return params
+
+
+async def prefill_then_decode(path: str, body: dict, prefill, decode):
+    """One request's two calls, however the workers are reached (this proxy over HTTP, the Ray
+    ingress over Serve handles). `prefill(body)` returns (a prefill worker's 200 answer, the
+    worker) or raises Refused / WorkerFailure; `decode(body)` returns the client's response."""
+    content, worker = await prefill(prefill_body(body, path.endswith("/chat/completions")))
+    return await decode({**body, "kv_transfer_params": kv_params(content, worker)})
 
 
 def _is_token_event(event: bytes) -> bool:
@@ -108,57 +131,54 @@ class Proxy:
         except httpx.HTTPError as e:
             raise failure(worker, e, self.read_timeout) from None
 
-    async def _prefill(self, path: str, body: dict, headers: dict) -> dict:
-        """The kv_transfer_params of the prompt's KV, held by a prefill worker."""
-        worker = self.prefill.choose()
-        t0 = time.perf_counter()
-        with self.prefill.busy(worker):
-            r = await self._post(worker, path, prefill_body(body, path.endswith("/chat/completions")), headers)
-        if r.status_code != 200:
-            raise Refused(r)
-        self.metrics.prefill.observe(time.perf_counter() - t0)
-        try:
-            params = r.json().get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            params = None
-        if not isinstance(params, dict):
-            raise WorkerFailure(502, "bad_worker_response", f"{worker} answered without kv_transfer_params "
-                                "(is it a `--role prefill` worker?)", "broken")
-        return params
+    def _prefill(self, path: str, headers: dict):
+        """The prefill call for prefill_then_decode: the prompt's KV, held by a prefill worker."""
+        async def call(body: dict) -> tuple[bytes, Worker]:
+            worker = self.prefill.choose()
+            t0 = time.perf_counter()
+            with self.prefill.busy(worker):
+                r = await self._post(worker, path, body, headers)
+            if r.status_code != 200:
+                raise Refused.of(r)
+            self.metrics.prefill.observe(time.perf_counter() - t0)
+            return r.content, worker
+        return call
 
     async def complete(self, path: str, body: dict, headers: dict, arrival: float) -> Response:
-        params = await self._prefill(path, body, headers)
-        worker = self.decode.choose()
-        with self.decode.busy(worker):
-            r = await self._post(worker, path, {**body, "kv_transfer_params": params}, headers)
-        if r.status_code != 200:
-            raise Refused(r)
-        return Response(r.content, status_code=200, media_type=r.headers.get("content-type", "application/json"))
+        async def decode(body: dict) -> Response:
+            worker = self.decode.choose()
+            with self.decode.busy(worker):
+                r = await self._post(worker, path, body, headers)
+            if r.status_code != 200:
+                raise Refused.of(r)
+            return Response(r.content, status_code=200, media_type=r.headers.get("content-type", "application/json"))
+        return await prefill_then_decode(path, body, self._prefill(path, headers), decode)
 
     async def stream(self, path: str, body: dict, headers: dict, arrival: float, endpoint: str) -> Response:
-        params = await self._prefill(path, body, headers)
-        worker = self.decode.choose()
-        worker.in_flight += 1
-        t0 = time.perf_counter()
-        try:
-            request = self.client.build_request("POST", worker.url + path, headers=headers,
-                                                content=json.dumps({**body, "kv_transfer_params": params}))
-            upstream = await self.client.send(request, stream=True)
-        except BaseException as e:
-            worker.in_flight -= 1
-            if isinstance(e, httpx.HTTPError):
-                raise failure(worker, e, self.read_timeout) from None
-            raise
-        if upstream.status_code != 200:
+        async def decode(body: dict) -> Response:
+            worker = self.decode.choose()
+            worker.in_flight += 1
+            t0 = time.perf_counter()
             try:
-                await upstream.aread()
-            except httpx.HTTPError as e:
-                raise failure(worker, e, self.read_timeout) from None
-            finally:
-                await upstream.aclose()
+                request = self.client.build_request("POST", worker.url + path, headers=headers,
+                                                    content=json.dumps(body))
+                upstream = await self.client.send(request, stream=True)
+            except BaseException as e:
                 worker.in_flight -= 1
-            raise Refused(upstream)
-        return RelayedStream(self, worker, upstream, endpoint, arrival, t0)
+                if isinstance(e, httpx.HTTPError):
+                    raise failure(worker, e, self.read_timeout) from None
+                raise
+            if upstream.status_code != 200:
+                try:
+                    await upstream.aread()
+                except httpx.HTTPError as e:
+                    raise failure(worker, e, self.read_timeout) from None
+                finally:
+                    await upstream.aclose()
+                    worker.in_flight -= 1
+                raise Refused.of(upstream)
+            return RelayedStream(self, worker, upstream, endpoint, arrival, t0)
+        return await prefill_then_decode(path, body, self._prefill(path, headers), decode)
 
     async def answer(self, endpoint: str, work, arrival: float) -> Response:
         """The response of `work` (complete or stream), with refusals and failures turned into

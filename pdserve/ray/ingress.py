@@ -11,10 +11,11 @@ import json
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
+from pdserve.proxy.relay import WorkerFailure
 from pdserve.ray.routing import prompt_block_hashes
-from pdserve.server.streaming import DONE, sse
+from pdserve.server.streaming import DONE
 
 log = logging.getLogger("pdserve.ray")
 
@@ -23,9 +24,8 @@ ROUTED = {"/v1/completions", "/v1/chat/completions"}
 HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"date", b"server"}
 
 
-def replica_failed(what: str) -> dict:
-    return {"error": {"message": f"the replica serving this request failed: {what}", "type": "server_error",
-                      "param": None, "code": "replica_failed"}}
+def replica_failed(what: str) -> WorkerFailure:
+    return WorkerFailure(503, "replica_failed", f"the replica serving this request failed: {what}", "unavailable")
 
 
 class Ingress:
@@ -58,24 +58,41 @@ class Ingress:
     async def forward(self, request: Request):
         body = await request.body()
         path = request.url.path
-        hashes = self.block_hashes(path, body)
         call = (request.method, path, request.url.query.encode(), list(request.scope["headers"]), body)
+        try:
+            opened = await self.open(self.engines, call, self.block_hashes(path, body))
+        except WorkerFailure as f:
+            return f.response()
+        return self.respond(*opened)
+
+    async def open(self, engines, call: tuple, hashes: list[int]):
+        """(stream, head, first) of `call` on a replica of the `engines` handle's deployment: the
+        replica's generator, its {"status", "headers"} and its first body chunk (a plain response's
+        whole body). A replica that fails before that is replica_failed (503), or per retry_failed
+        the call goes again (Serve routes it to another replica: it drops the dead one)."""
         attempts = self.max_attempts if self.retry_failed else 1
         for attempt in range(attempts):
-            stream = self.engines.options(stream=True).forward.remote(*call, block_hashes=hashes)
+            stream = engines.options(stream=True).forward.remote(*call, block_hashes=hashes)
             try:
                 head = await stream.__anext__()
-                first = await anext(stream, b"")   # a plain response's whole body; a stream's first event
+                first = await anext(stream, b"")
             except Exception as e:   # the replica died (RayActorError) or could not be reached
                 stream.cancel()
                 log.warning("replica failed before responding (attempt %d of %d): %r", attempt + 1, attempts, e)
                 error = e
                 continue
-            headers = {k.decode(): v.decode() for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
-            sse_stream = headers.get("content-type", "").startswith("text/event-stream")
-            return StreamingResponse(self._rest(stream, first, sse_stream), status_code=head["status"],
-                                     headers=headers)
-        return JSONResponse(replica_failed(f"{type(error).__name__}"), status_code=503)
+            except BaseException:   # cancelled: the client left
+                stream.cancel()
+                raise
+            return stream, head, first
+        raise replica_failed(type(error).__name__)
+
+    def respond(self, stream, head: dict, first: bytes, extra: dict | None = None) -> StreamingResponse:
+        """The client's response: the replica's status and headers (and `extra`), its body relayed."""
+        headers = {k.decode(): v.decode() for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
+        sse_stream = headers.get("content-type", "").startswith("text/event-stream")
+        return StreamingResponse(self._rest(stream, first, sse_stream), status_code=head["status"],
+                                 headers={**headers, **(extra or {})})
 
     @staticmethod
     async def _rest(stream, first: bytes, sse_stream: bool):
@@ -87,7 +104,7 @@ class Ingress:
         except Exception as e:   # the replica died mid-response: say so, as the server's own errors do
             log.warning("replica failed mid-response: %r", e)
             if sse_stream:
-                yield sse(replica_failed(type(e).__name__)).encode()
+                yield replica_failed(type(e).__name__).event()
                 yield DONE.encode()
         finally:
             stream.cancel()   # the client left: the replica's app sees the disconnect and aborts

@@ -5,7 +5,11 @@ The ingress forwards each HTTP request as (method, path, headers, body); forward
 the app and streams back the response: first {"status", "headers"}, then the body's chunks as they
 are sent (an SSE stream token by token). When the caller goes away (its client disconnected), Serve
 cancels the generator: the app then sees http.disconnect and aborts the request, as it would for a
-client of `pdserve serve`."""
+client of `pdserve serve`.
+
+In P/D pools (app.py) a replica is a `--role prefill` or `--role decode` engine; with
+node_kv_host, a prefill replica's KV listener binds its node's IP (the address Ray reaches that
+node by), so that a decode replica on another node can pull the KV from it over TCP."""
 import asyncio
 import os
 
@@ -16,16 +20,19 @@ from pdserve.server.admission import ServerConfig
 
 
 class EngineReplica:
-    def __init__(self, engine_kwargs: dict, config: ServerConfig):
+    def __init__(self, engine_kwargs: dict, config: ServerConfig, node_kv_host: bool = False):
         from pdserve.engine.llm_engine import LLMEngine   # torch: only in the replica's process
         from pdserve.server.app import build_app
         from pdserve.server.async_engine import EngineThread
 
+        if node_kv_host:
+            engine_kwargs = {**engine_kwargs, "kv_transfer_host": ray.util.get_node_ip_address()}
         thread = EngineThread()   # builds the engine and steps it (async_engine.EngineThread says why)
         self.engine = thread.call(LLMEngine, **engine_kwargs)
         self.app = build_app(self.engine, config, thread)
         self.state = self.app.state.pdserve
         self._started = False
+        self.in_flight = 0   # forward() calls under way
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -40,6 +47,7 @@ class EngineReplica:
         """The app's response to one HTTP request: a dict (status, headers), then body chunks.
         block_hashes is for the request router (request_router.py), not used here."""
         self._start()
+        self.in_flight += 1
         sent: asyncio.Queue = asyncio.Queue()
         disconnected = asyncio.Event()
         pending = [{"type": "http.request", "body": body, "more_body": False}]
@@ -75,6 +83,7 @@ class EngineReplica:
                     if not message.get("more_body", False):
                         return
         finally:
+            self.in_flight -= 1
             disconnected.set()
             if not task.done():
                 try:
@@ -92,5 +101,6 @@ class EngineReplica:
         return {"kv_blocks": self.engine.runner.num_blocks}
 
     def info(self) -> dict:
-        return {"replica": self.name, "node_id": self.node_id, "pid": os.getpid(),
-                "kv_blocks": self.engine.runner.num_blocks}
+        """Who this replica is, its KV cache, its requests in flight and its KV transfer role."""
+        return {"replica": self.name, "node_id": self.node_id, "pid": os.getpid(), "requests": self.in_flight,
+                "kv_blocks": self.engine.runner.num_blocks, "kv_transfer": self.engine.kv_transfer_info()}

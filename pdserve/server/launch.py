@@ -104,7 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("Ray Serve (docs/RAY.md; needs the ray extra)")
     r.add_argument("--ray", action="store_true",
                    help="serve as a Ray Serve application: --num-replicas engines behind one endpoint")
-    r.add_argument("--num-replicas", type=_at_least(1), default=1, help="engine replicas (default: %(default)s)")
+    r.add_argument("--num-replicas", type=_at_least(1), default=None, help="engine replicas (default: 1)")
+    r.add_argument("--prefill-replicas", type=_at_least(1), default=None, metavar="X",
+                   help="instead of --num-replicas: X prefill-role engines and --decode-replicas decode-role "
+                        "engines, the KV pulled between them over TCP (docs/RAY.md, P/D pools)")
+    r.add_argument("--decode-replicas", type=_at_least(1), default=None, metavar="Y",
+                   help="decode-role engines of the P/D pools (with --prefill-replicas)")
     r.add_argument("--ray-cpus-per-replica", type=_number_at_least(0.01), default=1.0, metavar="CPUS",
                    help="CPUs Ray reserves for each replica; --threads defaults to it (default: %(default)s)")
     r.add_argument("--ray-replicas-per-node", type=_at_least(1), default=None, metavar="N",
@@ -280,15 +285,41 @@ def capacity(engine, args: argparse.Namespace) -> str:
             f"tokens (--max-num-seqs {engine.config.max_num_seqs}); memory {memory}")
 
 
+def check_ray_flags(args: argparse.Namespace) -> None:
+    pools = (args.prefill_replicas, args.decode_replicas)
+    if not args.ray:
+        if args.num_replicas is not None or pools != (None, None):
+            raise ConfigError("--num-replicas, --prefill-replicas and --decode-replicas need --ray")
+        return
+    if args.disaggregate:
+        raise ConfigError("--ray and --disaggregate are two ways to run several engines: for prefill/decode "
+                          "pools on Ray use --prefill-replicas X --decode-replicas Y")
+    if pools == (None, None):
+        args.num_replicas = args.num_replicas or 1
+        return
+    if None in pools:
+        raise ConfigError("--prefill-replicas and --decode-replicas go together: give both")
+    if args.num_replicas is not None:
+        raise ConfigError("--num-replicas runs colocated engines, --prefill-replicas/--decode-replicas P/D "
+                          "pools: give one or the other")
+    if args.role != "both":
+        raise ConfigError(f"--role {args.role} cannot be combined with --prefill-replicas/--decode-replicas, "
+                          "which give each pool its role")
+    if args.kv_transport != "tcp":
+        raise ConfigError("--kv-transport shm needs both workers on one host; Ray may place the pools on "
+                          "different nodes: use tcp")
+    if args.ray_scale is not None:
+        raise ConfigError("--ray-scale changes a --num-replicas app; redeploy with other --prefill-replicas/"
+                          "--decode-replicas to resize the pools")
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.server.app import build_app
     from pdserve.server.connections import guarded_protocol
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     resolve_model(args)
-    if args.ray and args.disaggregate:
-        raise ConfigError("--ray and --disaggregate are two ways to run several engines: choose one "
-                          "(prefill/decode pools on Ray are not built yet)")
+    check_ray_flags(args)
     if args.ray:
         from pdserve.ray.app import run as run_on_ray   # needs the ray extra: the CLI says so if missing
         return run_on_ray(args)

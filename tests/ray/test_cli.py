@@ -19,3 +19,34 @@ def test_a_bad_ray_flag_is_one_line(capsys, tiny_llama):
     with pytest.raises(SystemExit) as e:
         cli_main(["serve", tiny_llama, "--ray", "--num-replicas", "0"])
     assert e.value.code == 2 and "--num-replicas" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--prefill-replicas", "0", "--decode-replicas", "1"], "--prefill-replicas"),
+    (["--prefill-replicas", "1", "--decode-replicas", "0"], "--decode-replicas"),
+])
+def test_pools_of_no_replica_are_refused_by_argparse(capsys, tiny_llama, flags, says):
+    from pdserve.cli import main as cli_main
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", tiny_llama, "--ray", *flags])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--ray", "--prefill-replicas", "1"], "go together"),
+    (["--ray", "--decode-replicas", "2"], "go together"),
+    (["--ray", "--num-replicas", "2", "--prefill-replicas", "1", "--decode-replicas", "1"], "one or the other"),
+    (["--ray", "--disaggregate"], "--prefill-replicas X --decode-replicas Y"),
+    (["--ray", "--disaggregate", "--prefill-replicas", "1", "--decode-replicas", "1"], "--disaggregate"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1"], "need --ray"),
+    (["--ray", "--prefill-replicas", "1", "--decode-replicas", "1", "--role", "decode"], "--role decode"),
+    (["--ray", "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-transport", "shm"], "use tcp"),
+    (["--ray", "--prefill-replicas", "1", "--decode-replicas", "1", "--ray-scale", "3"], "--ray-scale"),
+])
+def test_a_bad_combination_of_pool_flags_is_one_line_before_ray_starts(monkeypatch, capsys, tiny_llama, flags,
+                                                                        says):
+    from pdserve.cli import main as cli_main
+    monkeypatch.setitem(sys.modules, "ray", None)   # the check comes first: Ray is never imported
+    assert cli_main(["serve", tiny_llama, "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err

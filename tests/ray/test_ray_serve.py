@@ -1,9 +1,7 @@
 """pdserve on a local two-node Ray cluster (one CPU per node, one engine replica on each): placement,
 exactness against a single engine, KV-aware routing, a replica killed mid-request, and scaling.
-One cluster and one app for the whole module; the tests run in order (the kill tests last: a
-replica's replacement is not waited for)."""
-import os
-import socket
+One app for the whole module, on the cluster of conftest.py; the tests run in order (the kill
+tests last: a replica's replacement is not waited for)."""
 import threading
 import time
 
@@ -13,8 +11,6 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]'")
 httpx = pytest.importorskip("httpx")
 
-from ray.cluster_utils import Cluster  # noqa: E402
-
 from pdserve.cli import Parser  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.ray.app import APP_NAME, deploy, scale  # noqa: E402
@@ -22,9 +18,6 @@ from pdserve.sampling_params import SamplingParams  # noqa: E402
 from pdserve.server import launch  # noqa: E402
 from tests.helpers import finish_all  # noqa: E402
 
-# Big enough that hundreds of tokens take a while on one core (the kill must land mid-request).
-SLOW = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64)
 LONG = 450   # tokens of the requests a replica is killed under (the context is 512)
 PROMPTS = ["Once upon a time there was a little cat", "The dog ran to the park and", "Lily and Tom went to"]
 
@@ -38,35 +31,16 @@ def parse(model: str, *extra: str):
     return args
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def model(ray_model):
+    return ray_model
 
 
 @pytest.fixture(scope="module")
-def model(make_tiny):
-    return make_tiny("llama", **SLOW)
-
-
-@pytest.fixture(scope="module")
-def url(model):
-    # A loaded machine starts a node's agents slowly: the raylet may wait longer for them (the
-    # processes Ray starts inherit the variable).
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
-    c = Cluster()
-    port = free_port()
-    try:
-        c.add_node(num_cpus=1, object_store_memory=100 << 20, include_dashboard=False)   # the head
-        c.add_node(num_cpus=1, object_store_memory=100 << 20)
-        ray.init(address=c.address, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
-        deploy(parse(model))
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        c.shutdown()
+def url(ray_url, model):
+    deploy(parse(model))
+    yield ray_url
+    serve.delete(APP_NAME)
 
 
 @pytest.fixture(scope="module")
