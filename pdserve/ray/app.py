@@ -115,7 +115,11 @@ def run(args: argparse.Namespace) -> int:
     SIGTERM or Ctrl-C (then delete the app), or return at once with --ray-detach; --ray-scale N
     changes the running app's replica count instead."""
     check_args(args)
-    ray.init(address=args.ray_address, logging_level=args.log_level.upper())
+    # Without an address ray.init joins the cluster another process on this machine last started
+    # (/tmp/ray/ray_current_cluster): right for --ray-scale (the running app's), but serving
+    # starts a local instance of its own, as the flag's help says.
+    address = args.ray_address or os.environ.get("RAY_ADDRESS") or (None if args.ray_scale is not None else "local")
+    ray.init(address=address, logging_level=args.log_level.upper())
     if args.ray_scale is not None:
         scale(args.ray_scale)
         log.warning("%s: scaling to %d replica(s)", APP_NAME, args.ray_scale)

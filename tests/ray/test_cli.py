@@ -50,3 +50,35 @@ def test_a_bad_combination_of_pool_flags_is_one_line_before_ray_starts(monkeypat
     assert cli_main(["serve", tiny_llama, "--port", "0", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
+
+
+@pytest.mark.parametrize("flags, env, expected", [
+    ([], None, "local"),                                  # serving: a Ray instance of its own
+    (["--ray-address", "10.0.0.1:6379"], None, "10.0.0.1:6379"),
+    ([], "10.0.0.2:6379", "10.0.0.2:6379"),
+    (["--ray-scale", "3"], None, None),                   # scaling: the running app's cluster
+])
+def test_serve_starts_its_own_ray_instance_unless_given_a_cluster(monkeypatch, tiny_llama, flags, env, expected):
+    pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
+    from pdserve.cli import Parser
+    from pdserve.ray import app
+    from pdserve.server import launch
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(address=None, **kwargs):
+        seen["address"] = address
+        raise Stop
+
+    monkeypatch.setattr(app.ray, "init", init)
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    p = Parser(prog="pdserve serve")
+    launch.add_arguments(p)
+    with pytest.raises(Stop):
+        app.run(p.parse_args(["--model", tiny_llama, "--ray", *flags]))
+    assert seen["address"] == expected

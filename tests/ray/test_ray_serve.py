@@ -154,15 +154,26 @@ def _stream_events(url: str, prompt: str, started: threading.Event, out: dict) -
                 started.set()
 
 
+def in_flight_together(stream: threading.Thread, request: threading.Thread, started: threading.Event,
+                       streamed: dict) -> None:
+    """Start the stream, then the plain request once the stream has its first token; return once the
+    stream has 8 more, so the plain request (sent after its start, as long as it) is surely running."""
+    stream.start()
+    assert started.wait(60)
+    request.start()
+    deadline = time.monotonic() + 60
+    while len(streamed["events"]) < 9 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert request.is_alive() and len(streamed["events"]) < LONG
+
+
 def test_a_killed_replicas_requests_fail_cleanly(url):
     prompt = " ".join(PROMPTS * 2) + " and then"   # blocks enough that prefix-aware routing sends it home
     home = complete(url, prompt).headers["x-pdserve-replica"]   # the prefix is there now
     started, streamed, plain = threading.Event(), {}, {}
     stream = threading.Thread(target=_stream_events, args=(url, prompt, started, streamed))
     request = threading.Thread(target=lambda: plain.update(r=complete(url, prompt, LONG)))
-    request.start()
-    stream.start()
-    assert started.wait(60)
+    in_flight_together(stream, request, started, streamed)
     assert streamed["replica"] == home
     kill(home)
     stream.join(60)
@@ -183,9 +194,7 @@ def test_with_retry_a_killed_replicas_request_is_served_by_another(url, model, r
     started, streamed, plain = threading.Event(), {}, {}
     request = threading.Thread(target=lambda: plain.update(r=complete(url, prompt, LONG)))
     stream = threading.Thread(target=_stream_events, args=(url, prompt, started, streamed))
-    request.start()
-    stream.start()
-    assert started.wait(60)   # the stream's first token: the plain request, sent with it, is running too
+    in_flight_together(stream, request, started, streamed)
     kill(home)
     request.join(120)
     stream.join(60)
