@@ -101,7 +101,9 @@ class Deployment:
 # pinned to one core. Ray's router is prefix-aware by default; the simulator runs that router's code.
 ONE_CORE = dict(fit_flags=("--threads", "1"), fit_cores=(0,))
 DEPLOYMENTS = {
-    "engine": Deployment("1 engine", (), ("--replicas", "1")),
+    # probe: the server's own hop (HTTP, tokenizing, the hand-over to the engine thread) delays each
+    # arrival too; in a closed loop it decides whether a request makes the step that starts next
+    "engine": Deployment("1 engine", (), ("--replicas", "1"), probe=True),
     "1p1d": Deployment("1P1D", ("--disaggregate",), ("--prefill-replicas", "1", "--decode-replicas", "1"),
                        roles=("prefill", "decode"), kv=True, needs="--disaggregate", **ONE_CORE),
     # --ray-address local: a Ray instance of its own, never one that other work on the machine started
