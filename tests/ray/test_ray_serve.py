@@ -157,12 +157,13 @@ def _stream_events(url: str, prompt: str, started: threading.Event, out: dict) -
 def in_flight_together(stream: threading.Thread, request: threading.Thread, started: threading.Event,
                        streamed: dict) -> None:
     """Start the stream, then the plain request once the stream has its first token; return once the
-    stream has 8 more, so the plain request (sent after its start, as long as it) is surely running."""
+    stream has a hundred more (far longer than Serve's proxy and router take to place the plain
+    request), so the plain request, sent after the stream and as long, is surely running."""
     stream.start()
     assert started.wait(60)
     request.start()
     deadline = time.monotonic() + 60
-    while len(streamed["events"]) < 9 and time.monotonic() < deadline:
+    while len(streamed["events"]) < 100 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert request.is_alive() and len(streamed["events"]) < LONG
 
