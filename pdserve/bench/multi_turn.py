@@ -18,13 +18,8 @@ class ChatRecorder(StreamRecorder):
     """A chat stream: the answer's text is kept for the history, and a chunk carrying only the
     assistant role (sent before any token by some servers) is not a token."""
 
-    def __init__(self, sent: float):
-        super().__init__(sent)
-        self.text = ""
-
     def takes(self, choice: dict) -> bool:
         delta = choice.get("delta") or {}
-        self.text += delta.get("content") or ""
         return bool(delta.get("content")) or "role" not in delta or choice.get("finish_reason") is not None
 
     def text_of(self, choice: dict) -> str:

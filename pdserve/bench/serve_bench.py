@@ -91,6 +91,11 @@ class StreamRecorder:
     def text_of(self, choice: dict) -> str:
         return choice.get("text") or ""
 
+    @property
+    def text(self) -> str:
+        """The answer so far, as streamed."""
+        return "".join(self.pieces)
+
     def result(self, prompt_len: int | None) -> RequestResult:
         error = self.error
         if not error and self.first is None:
@@ -104,7 +109,7 @@ class StreamRecorder:
         return RequestResult(prompt_len=self.usage.get("prompt_tokens", prompt_len),
                              output_tokens=self.usage["completion_tokens"], ttft=self.first - self.sent,
                              itl=self.itl, latency=self.last - self.sent, success=True,
-                             cached_tokens=cached if isinstance(cached, int) else None, text="".join(self.pieces))
+                             cached_tokens=cached if isinstance(cached, int) else None, text=self.text)
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, req: BenchRequest, headers: dict,
