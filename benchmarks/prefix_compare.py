@@ -158,6 +158,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags run_system reads (benchmarks.spec_compare adds them too)."""
+    p.add_argument("--peers-dir", default=peers.DEFAULT_PEERS_DIR)
+    p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--bench-timeout", type=float, default=3600)
+    p.add_argument("--dry-run", action="store_true")
+
+
+def split_choices(p: argparse.ArgumentParser, args, systems: tuple, workloads: tuple) -> None:
+    """args.systems and args.workloads as lists, each name one of `systems` / `workloads`."""
+    args.systems, args.workloads = args.systems.split(","), args.workloads.split(",")
+    for given, known, flag in ((args.systems, systems, "--systems"), (args.workloads, workloads, "--workloads")):
+        bad = [x for x in given if x not in known]
+        if bad:
+            p.error(f"{flag}: unknown {bad}; choose from {', '.join(known)}")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.prefix_compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -175,22 +193,14 @@ def parse_args(argv):
     g.add_argument("--num-prompts", type=int, default=32)
     g.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--output-len", type=int, default=64, help="answer tokens, both workloads")
-    p.add_argument("--peers-dir", default=peers.DEFAULT_PEERS_DIR)
-    p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results"))
-    p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--bench-timeout", type=float, default=3600)
+    add_run_arguments(p)
     p.add_argument("--quick", action="store_true", help="tiny default model, pdserve on/off, few requests")
-    p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.systems = "engine,engine-nocache"
         args.conversations, args.turns, args.passage_words, args.num_prompts = 4, 3, 60, 16
         args.prefix_len, args.suffix_len, args.output_len = 256, 32, 16
-    args.systems, args.workloads = args.systems.split(","), args.workloads.split(",")
-    for given, known, flag in ((args.systems, SYSTEMS, "--systems"), (args.workloads, WORKLOADS, "--workloads")):
-        bad = [x for x in given if x not in known]
-        if bad:
-            p.error(f"{flag}: unknown {bad}; choose from {', '.join(known)}")
+    split_choices(p, args, SYSTEMS, WORKLOADS)
     return args
 
 

@@ -30,7 +30,6 @@ from benchmarks import compare, peers, prefix_compare
 from pdserve.bench import servers
 from pdserve.engine.args import DEFAULT_MODEL
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("engine", "engine-ngram", "vllm", "vllm-ngram", "llama-server", "llama-server-ngram")
 WORKLOADS = ("edit-c1", "edit-c32", "random-c32")
 SEED = 3300
@@ -131,20 +130,12 @@ def parse_args(argv):
     p.add_argument("--c1-prompts", type=int, default=8)
     p.add_argument("--c32-prompts", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128, help="answer tokens (and story words of the edit prompts)")
-    p.add_argument("--peers-dir", default=peers.DEFAULT_PEERS_DIR)
-    p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results"))
-    p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--bench-timeout", type=float, default=3600)
+    prefix_compare.add_run_arguments(p)
     p.add_argument("--quick", action="store_true", help="pdserve on/off, few requests")
-    p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.systems, args.c1_prompts, args.c32_prompts, args.output_len = "engine,engine-ngram", 2, 8, 32
-    args.systems, args.workloads = args.systems.split(","), args.workloads.split(",")
-    for given, known, flag in ((args.systems, SYSTEMS, "--systems"), (args.workloads, WORKLOADS, "--workloads")):
-        bad = [x for x in given if x not in known]
-        if bad:
-            p.error(f"{flag}: unknown {bad}; choose from {', '.join(known)}")
+    prefix_compare.split_choices(p, args, SYSTEMS, WORKLOADS)
     return args
 
 
