@@ -22,6 +22,7 @@ import torch
 
 from pdserve.bench.datasets import EDIT_INSTRUCTION, POOL_TEXT
 from tools import CORPUS_DIR
+from tools.widen_model import copy_tokenizer
 
 
 def sentences(held_out: set[str]) -> list[str]:
@@ -86,9 +87,7 @@ def finetune(src: str, out: str, minutes: float, batch: int, lr: float, max_word
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), tmp)
+    copy_tokenizer(src, tmp)
     log = {"source": os.path.abspath(src), "minutes": minutes, "steps": step, "batch": batch, "lr": lr,
            "max_words": max_words, "seed": seed, "final_answer_loss_ema": None if ema is None else round(ema, 4), "held_out_stories": len(held_out)}
     with open(os.path.join(tmp, "finetune_log.json"), "w") as f:

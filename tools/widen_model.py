@@ -103,6 +103,7 @@ def unk_token_id(model_dir: str) -> int:
 
 
 def widen_dir(src_dir: str, out_dir: str, hidden: int, inter: int, layers: int, vocab: int, seed: int = 0) -> dict:
+    """Write the widened checkpoint; returns its config, with its parameter count."""
     with open(os.path.join(src_dir, "config.json")) as f:
         cfg = json.load(f)
     if cfg.get("model_type") != "llama":
@@ -113,10 +114,15 @@ def widen_dir(src_dir: str, out_dir: str, hidden: int, inter: int, layers: int, 
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(wide, f, indent=2)
+    copy_tokenizer(src_dir, out_dir)
+    return dict(wide, num_parameters=sum(t.numel() for t in state.values()))
+
+
+def copy_tokenizer(src_dir: str, out_dir: str) -> None:
+    """The tokenizer and generation config of `src_dir`, into `out_dir`."""
     for name in TOKENIZER_FILES:
         if os.path.exists(os.path.join(src_dir, name)):
             shutil.copy(os.path.join(src_dir, name), out_dir)
-    return wide
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         wide = widen_dir(a.src, a.out, a.hidden_size, a.intermediate_size, a.num_layers, a.vocab_size, a.seed)
     except (OSError, ValueError) as e:
         p.exit(2, f"widen_model: {e}\n")
-    n = sum(t.numel() for t in load_file(os.path.join(a.out, "model.safetensors")).values())
-    print(f"{a.out}: {n / 1e6:.0f}M parameters, {wide['num_attention_heads']} heads of {wide['head_dim']}, "
+    print(f"{a.out}: {wide['num_parameters'] / 1e6:.0f}M parameters, "
+          f"{wide['num_attention_heads']} heads of {wide['head_dim']}, "
           f"{wide['num_key_value_heads']} KV heads")
     return 0
 
