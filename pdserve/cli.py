@@ -1,6 +1,7 @@
 """The `pdserve` command. Each subcommand lives in the module that owns its idea;
 this file only wires them up (imports are lazy so `pdserve --help` stays fast)."""
 import argparse
+import itertools
 import sys
 
 from pdserve import __version__
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="pdserve", description="pdserve: an LLM serving engine")
     parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # argparse would only say that COMMAND is missing; name the option instead
+    leading = [a for a in itertools.takewhile(lambda a: a.startswith("-"), argv) if a not in ("-h", "--help", "--version")]
+    if leading:
+        parser.error(f"unrecognized option {leading[0]} (a command's options go after it: `pdserve COMMAND --help`)")
     # Only import the module of the command being run; the others just get a help line.
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():

@@ -35,6 +35,8 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *words: str) -> None
     (["report", "missing.json"], ["missing.json"]),
     (["serve", "--model", "/nonexistent/dir"], ["/nonexistent/dir"]),
     (["serve", "--ray", "--disaggregate"], ["--ray", "--disaggregate"]),
+    (["--bogus"], ["--bogus"]),
+    (["--bogus", "serve"], ["--bogus"]),
 ])
 def test_bad_input_is_one_line(args, words):
     assert_one_line_error(pdserve(*args), *words)
