@@ -105,9 +105,10 @@ def lone_surrogate(value, path: tuple = ()) -> tuple | None:
 
 
 class BodyMiddleware:
-    """For a request with a body: 415 unless it is JSON, 413 over `max_bytes` (without reading
-    more than that), 400 for a string that is not Unicode (tokenizers and the JSON encoder of the
-    response would raise on it).
+    """For a request with a body: 415 unless it is JSON (a POST with neither a body nor a content
+    type passes), 413 over `max_bytes` (without reading more than that), 400 for bytes that are not
+    UTF-8 or a string that is not Unicode (tokenizers and the JSON encoder of the response would
+    raise on it).
 
     A cross-site form post needs no CORS preflight but cannot send `application/json`, so
     requiring it keeps web pages from posting to a local server. The body is read here in full
@@ -122,14 +123,18 @@ class BodyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # a POST without a content type may still come without a body (vLLM's clients call
+        # /reset_prefix_cache so); one that carries a body is refused below
+        bodiless_ok = False
         if scope["method"] in ("POST", "PUT", "PATCH"):
             types = _headers(scope, b"content-type")
             media = types[0].split(b";")[0].strip().lower() if len(types) == 1 else b""
             if media != b"application/json":
-                shown = types[0].decode("latin-1")[:100] if len(types) == 1 else "none" if not types else "several"
-                await _refuse(scope, receive, send, 415, f"the body must be JSON: send `Content-Type: "
-                              f"application/json` (got {shown})", code="unsupported_media_type")
-                return
+                if not types:
+                    bodiless_ok = True
+                else:
+                    await self._not_json(scope, receive, send, types)
+                    return
         length = _headers(scope, b"content-length")
         if length and length[0].isdigit() and int(length[0]) > self.max_bytes:
             await self._too_large(scope, receive, send)
@@ -147,6 +152,15 @@ class BodyMiddleware:
             if not message.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
+        if bodiless_ok and body:
+            await self._not_json(scope, receive, send, [])
+            return
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:   # json.loads would pass it on with lone surrogates in its strings
+            await _refuse(scope, receive, send, 400, f"the body is not valid UTF-8 (byte {e.start}: {e.reason})",
+                          code="invalid_unicode")
+            return
         if _SURROGATE_ESCAPE.search(body):
             path = self._surrogate_path(body)
             if path is not None:
@@ -171,6 +185,12 @@ class BodyMiddleware:
         except ValueError:   # not JSON: the handler's validation says so
             return None
         return lone_surrogate(parsed)
+
+    @staticmethod
+    async def _not_json(scope, receive, send, types: list[bytes]):
+        shown = types[0].decode("latin-1")[:100] if len(types) == 1 else "none" if not types else "several"
+        await _refuse(scope, receive, send, 415, f"the body must be JSON: send `Content-Type: "
+                      f"application/json` (got {shown})", code="unsupported_media_type")
 
     async def _too_large(self, scope, receive, send):
         await _refuse(scope, receive, send, 413, f"request body is larger than the limit of {self.max_bytes} bytes "

@@ -42,6 +42,10 @@ def post_raw(sock: socket.socket, path: str, body: str, content_type: str = "app
     data = body.encode()
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return read_response(sock)
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict]:
     head = b""
     while b"\r\n\r\n" not in head:
         chunk = sock.recv(65536)
@@ -63,6 +67,32 @@ def test_lone_surrogates_get_400_naming_the_field_and_keep_the_connection():
         # valid pairs are text: an emoji passes
         status, answer = post_raw(sock, "/tokenize", '{"prompt": "\\ud83d\\ude00"}')
         assert status == 200 and answer["count"] == 1
+
+
+def test_bytes_that_are_not_utf8_get_400_and_keep_the_connection():
+    # json.loads(bytes) decodes with surrogatepass: these (CESU-8 for \ud800, a stray 0xff) would
+    # reach the tokenizer as a str it cannot take
+    with running_app(FakeEngine()) as (host, port), socket.create_connection((host, port)) as sock:
+        for raw in (b'{"prompt": "\xed\xa0\x80", "max_tokens": 2}', b'{"prompt": "a\xffb", "max_tokens": 2}'):
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+            status, answer = read_response(sock)
+            assert status == 400 and answer["error"]["code"] == "invalid_unicode", answer
+            assert "UTF-8" in answer["error"]["message"]
+        status, answer = post_raw(sock, "/tokenize", '{"prompt": "ok"}')   # the same connection
+        assert status == 200
+
+
+def test_a_post_without_body_or_content_type_passes_and_one_with_a_body_does_not():
+    engine = FakeEngine()
+    engine.reset_prefix_cache = lambda: {"reset_blocks": 0, "cached_blocks_in_use": 0}
+    with client(engine) as c:
+        r = c.post("/reset_prefix_cache")   # what vLLM's clients send: no body, no content type
+        assert r.status_code == 200, r.text
+        r = c.post("/reset_prefix_cache", content=b"{}")
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        r = c.post("/v1/completions")   # no body where one is required: a 400, not a 500
+        assert r.status_code == 400, r.text
 
 
 class _BrokenTokenizer(FakeTokenizer):
