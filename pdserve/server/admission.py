@@ -190,9 +190,14 @@ class ServerState:
         return prompt   # the engine checks the ids against the model's vocabulary
 
     def sampling_params(self, n: int, seed: int | None, **kwargs) -> list[SamplingParams]:
-        """One SamplingParams per choice. A seeded request's choice i gets seed + i: the choices
+        """One SamplingParams per choice. A seeded request's choice i gets seed + i (wrapping
+        past 2**64 - 1 to 0, so every seed the client may send works with any n): the choices
         differ, and the same request gives the same choices again."""
-        return [SamplingParams(seed=None if seed is None else seed + i, **kwargs) for i in range(n)]
+        def choice_seed(i: int) -> int | None:
+            if seed is None or not isinstance(seed, int) or seed >= 2**64:
+                return seed   # SamplingParams refuses it, naming the value sent
+            return seed + i - 2**64 if seed + i >= 2**64 else seed + i
+        return [SamplingParams(seed=choice_seed(i), **kwargs) for i in range(n)]
 
     # ---- submitting
 

@@ -95,6 +95,15 @@ def test_a_post_without_body_or_content_type_passes_and_one_with_a_body_does_not
         assert r.status_code == 400, r.text
 
 
+def test_the_largest_seed_works_with_n_and_a_larger_one_is_named_as_sent():
+    with client() as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2, "seed": 2**64 - 1})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2, "seed": 2**64})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+        assert str(2**64) in r.json()["error"]["message"] and str(2**64 + 1) not in r.json()["error"]["message"]
+
+
 class _BrokenTokenizer(FakeTokenizer):
     def encode(self, text, add_special_tokens=True):
         if "boom" in text:
