@@ -348,7 +348,15 @@ def run(args: argparse.Namespace) -> int:
         args.slo_mix = bench_metrics.parse_slo_mix(args.slo_mix)
         arrival_offsets(1, args.request_rate, args.burstiness, 0)   # validates rate and burstiness
         model, requests, warmups = _setup(args, headers)
-    except (ValueError, RuntimeError, OSError, KeyError, IndexError, httpx.HTTPError) as e:
+    except httpx.HTTPError as e:   # its message does not say where it went
+        try:
+            where = f" ({e.request.url})"
+        except RuntimeError:   # an error httpx made without a request
+            where = ""
+        what = "cannot reach" if isinstance(e, httpx.RequestError) else "the server at"
+        print(f"pdserve bench: error: {what} {args.base_url}{where}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError, OSError, KeyError, IndexError) as e:
         print(f"pdserve bench: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     body = {"model": model, "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}

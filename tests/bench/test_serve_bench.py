@@ -91,6 +91,15 @@ def test_unreachable_server_counts_every_request_as_failed(tmp_path):
     assert res["input_lens"] == [3, 3, 3] and res["output_lens"] == [0, 0, 0]
 
 
+def test_no_server_is_one_line_naming_the_url(capsys):
+    with socket.socket() as s:   # a port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["bench", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"]) == 2   # asks /v1/models
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"http://127.0.0.1:{port}" in err and "ConnectError" in err, err
+
+
 def test_setup_errors_exit_2_before_sending(tmp_path, capsys):
     assert main(["bench", "--goodput", "latency:5", "--model", "m"]) == 2
     assert "--goodput" in capsys.readouterr().err
