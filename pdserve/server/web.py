@@ -2,11 +2,13 @@
 
 The page is plain HTML, CSS and JavaScript in static/, served from here: no CDN, no build step.
 """
+import functools
 from pathlib import Path
 
+import fastapi_offline
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.openapi.docs import get_redoc_html
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from pdserve.server.admission import ServerState, get_state
@@ -18,8 +20,8 @@ STATIC = Path(__file__).parent / "static"
 router = APIRouter()
 
 
-# The browser may fetch images, fonts and data only from this server (ReDoc's bundle would load
-# its logo from a CDN; blocked, it hides it).
+# The browser may fetch images, fonts and data only from this server.
+REDOC_CDN_LOGO = b"https://cdn.redoc.ly/redoc/logo-mini.svg"
 OFFLINE_CSP = {"Content-Security-Policy": "img-src 'self' data:; font-src 'self' data:; connect-src 'self'"}
 
 
@@ -31,9 +33,23 @@ async def index():
 @router.get("/redoc", include_in_schema=False)
 async def redoc():
     page = get_redoc_html(openapi_url="/openapi.json", title="pdserve - ReDoc", with_google_fonts=False,
-                          redoc_js_url="/static/docs/redoc.standalone.js", redoc_favicon_url="/static/docs/favicon.png")
+                          redoc_js_url="/redoc/redoc.standalone.js", redoc_favicon_url="/static/docs/favicon.png")
     page.headers.update(OFFLINE_CSP)
     return page
+
+
+@functools.cache
+def _offline_redoc_js() -> bytes:
+    """fastapi-offline's ReDoc bundle without its one outside address: the sidebar's logo, which
+    the bundle asks a CDN for (CSP blocks the load, but the browser still tries and logs it). An
+    empty data: URL fails to load, and ReDoc then hides the image."""
+    bundle = (Path(fastapi_offline.__file__).parent / "static" / "redoc.standalone.js").read_bytes()
+    return bundle.replace(REDOC_CDN_LOGO, b"data:,")
+
+
+@router.get("/redoc/redoc.standalone.js", include_in_schema=False)
+async def redoc_js():
+    return Response(_offline_redoc_js(), media_type="text/javascript")
 
 
 def engine_config(s: ServerState) -> dict:

@@ -147,9 +147,12 @@ def test_docs_and_redoc_render_offline(page, page_server, tmp_path):
     page.wait_for_selector(".swagger-ui .info .title")
     assert "pdserve" in page.text_content(".swagger-ui .info .title")
     page.wait_for_selector(".opblock[id*='v1_chat_completions']")
+    refused = []   # CSP reports each load it blocks (a CDN logo in ReDoc's bundle did) on the console
+    page.on("console", lambda m: refused.append(m.text) if "Content Security Policy" in m.text else None)
     page.goto(page_server.url + "/redoc")
     page.wait_for_selector("h1:has-text('pdserve')", timeout=30_000)
     page.get_by_text("/v1/engine/steps").first.wait_for()
+    assert not refused, refused
 
 
 def test_an_answer_shows_the_cached_prompt_tokens_the_server_reports(page, page_server):

@@ -56,6 +56,15 @@ def test_pages_load_only_assets_this_server_serves(path):
                 assert c.get(url).status_code == 200, url
 
 
+def test_the_redoc_bundle_names_no_image_on_another_host():
+    # ReDoc's bundle shows a logo from a CDN; the one /redoc loads must not ask for it
+    with client() as c:
+        (bundle,) = [u for u in loaded_urls(c.get("/redoc").text) if u.endswith(".js")]
+        js = c.get(bundle)
+        assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+        assert len(js.content) > 100_000 and not re.search(rb'src:\s*"https?://', js.content)
+
+
 def test_every_module_the_page_imports_is_served():
     with client() as c:
         for js in STATIC.glob("*.js"):
