@@ -1,6 +1,7 @@
 """Build a model from an HF checkpoint directory: config.json + safetensors (single or sharded)."""
 import json
 import os
+import sys
 
 import torch
 from safetensors import safe_open
@@ -14,6 +15,11 @@ from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models import ARCHITECTURES
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+def show_progress() -> bool:
+    """A progress bar only on a terminal: its carriage returns would fill a log file."""
+    return sys.stderr is not None and sys.stderr.isatty()
 
 
 def weight_files(path: str) -> list[str]:
@@ -68,7 +74,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Mo
             with safe_open(file, framework="pt", device="cpu") as f:
                 names = list(f.keys())
                 for name in tqdm(names, desc=f"loading {os.path.basename(file)}", unit="tensor", leave=False,
-                                 disable=len(names) < 50):
+                                 disable=len(names) < 50 or not show_progress()):
                     if name.endswith(IGNORED_SUFFIXES):
                         continue
                     target, shard = stacked_target(model, name)

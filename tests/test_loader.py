@@ -1,6 +1,8 @@
 """The loader fills merged linears (q/k/v, gate/up) from the separate HF tensors, and a missing or
 misshapen shard is named by its checkpoint name."""
+import io
 import shutil
+import sys
 
 import pytest
 import torch
@@ -52,3 +54,14 @@ def test_misshapen_shard_is_named(tiny_qwen2, tmp_path):
     path = _edited_copy(tiny_qwen2, tmp_path / "m", edit)
     with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.mlp.up_proj.weight' has shape"):
         _load(path)
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_loading_bar_shows_only_on_a_terminal(make_tiny, monkeypatch, terminal):
+    # tqdm's carriage returns would fill a server log written to a file
+    path = make_tiny("llama", num_hidden_layers=6)   # over the 50 tensors that get a bar
+    err = io.StringIO()
+    monkeypatch.setattr(err, "isatty", lambda: terminal)
+    monkeypatch.setattr(sys, "stderr", err)
+    _load(path)
+    assert ("\r" in err.getvalue()) == terminal, repr(err.getvalue()[:200])
