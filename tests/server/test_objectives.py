@@ -1,6 +1,7 @@
 """Request objectives end to end: priority and slo fields, their validation, per-request
 attainment in the response, the attainment counters in /metrics, early refusal under
 --slo-admission reject, and priority preemption through the API."""
+import concurrent.futures as cf
 import json
 import subprocess
 import sys
@@ -9,7 +10,9 @@ import threading
 import httpx
 import pytest
 
+from pdserve.engine.llm_engine import LLMEngine
 from tests.server.conftest import metrics
+from tests.server.inprocess import serve
 
 CMPL = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
@@ -104,22 +107,31 @@ def test_bench_sends_each_kind_its_objectives(slo_server, tmp_path):
     assert "SLO attainment (TTFT, TPOT, both):" in p.stdout
 
 
-def test_higher_priority_request_preempts_through_the_api(start_server, tiny_llama):
-    srv = start_server(tiny_llama, "--scheduling-policy", "priority", "--max-num-seqs", "1")
-    long = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "priority": 5}
-    result = {}
+def test_higher_priority_request_preempts_through_the_api(tiny_llama):
+    """One seat. The engine's fault hook holds the long request's first decode step until the
+    urgent request has been posted (the server wakes the engine on every post), so the urgent one
+    arrives while the long one runs however fast the model is: it can run only by preempting."""
+    engine = LLMEngine(tiny_llama, scheduling_policy="priority", max_num_seqs=1, num_kv_blocks=128, block_size=16)
+    posted, holding = threading.Event(), threading.Event()
+    wake = engine.wake
 
-    def send_long():
-        result["r"] = httpx.post(srv.url + "/v1/completions", json=long, timeout=120)
+    def on_post():
+        posted.set()
+        wake()
 
-    t = threading.Thread(target=send_long)
-    t.start()
-    srv.wait_for(lambda m: m["pdserve:num_requests_running"] == 1 and m["pdserve:generation_tokens_total"] == 0
-                 and m["pdserve:num_requests_waiting"] == 0)
-    urgent = httpx.post(srv.url + "/v1/completions", json={**CMPL, "priority": 0}, timeout=60)
-    t.join(120)
-    assert urgent.status_code == 200 and result["r"].status_code == 200, result["r"].text
-    # with one seat the urgent request could only run by preempting the long one, and it finished first
-    assert result["r"].json()["choices"][0]["metrics"]["num_preemptions"] >= 1
-    assert urgent.json()["choices"][0]["metrics"]["e2e_s"] < result["r"].json()["choices"][0]["metrics"]["e2e_s"]
-    assert result["r"].json()["usage"]["completion_tokens"] == 400
+    def hold_first_decode(sched):
+        if not holding.is_set() and sched.seqs and not sched.is_prefill[0]:
+            posted.clear()
+            holding.set()
+            posted.wait(60)   # the urgent request's add; the test fails below if it never comes
+    engine.wake, engine.fault_hook = on_post, hold_first_decode
+    long = {"prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True, "temperature": 0, "priority": 5}
+    with serve(engine) as url, cf.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(httpx.post, url + "/v1/completions", json=long, timeout=120)
+        assert holding.wait(60), "the long request never reached decode"
+        urgent = httpx.post(url + "/v1/completions", json={**CMPL, "priority": 0}, timeout=60)
+        slow = slow.result(120)
+    assert urgent.status_code == 200 and slow.status_code == 200, slow.text
+    assert slow.json()["choices"][0]["metrics"]["num_preemptions"] >= 1
+    assert urgent.json()["choices"][0]["metrics"]["e2e_s"] < slow.json()["choices"][0]["metrics"]["e2e_s"]
+    assert slow.json()["usage"]["completion_tokens"] == 64
