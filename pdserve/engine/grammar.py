@@ -22,6 +22,34 @@ from pdserve.errors import RequestError
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # Compact JSON, no free whitespace: a model (a random one in the tests) cannot pad forever.
 JSON_OPTIONS = {"whitespace_flexible": False}
+# What one matcher may cost, as llguidance counts it (its docs' speeds: ~14k lexer fuel and ~20k
+# Earley items per ms; its defaults are 200k and 50k): one mask computation stays within ~5 ms,
+# and a grammar that needs more fails its own request (GrammarFailed) instead of slowing every
+# step. The grammars of the tests and benchmarks need under 3k fuel and 1.3k items a step.
+# verbose_errors off: an error names the limit, not the grammar (a 150 KB schema per log line).
+LIMITS = {"step_lexer_fuel": 50_000, "step_max_items": 20_000, "max_items_in_row": 2_000,
+          "initial_lexer_fuel": 1_000_000, "max_lexer_states": 50_000, "max_grammar_size": 500_000}
+ERROR_CHARS = 300   # llguidance's messages, quoted in errors and logs, are cut to this
+
+
+def short(message: str) -> str:
+    """An llguidance message as one bounded line."""
+    line = " ".join(message.replace("<non-verbose/>", "").split())
+    return line if len(line) <= ERROR_CHARS else line[:ERROR_CHARS - 3] + "..."
+
+
+class GrammarFailed(RequestError):
+    """A request's grammar failed while it generated (a limit of LIMITS, ...): that request fails
+    alone, and its client is told why."""
+    code = "grammar_failed"
+
+
+def failure(matcher: "llg.LLMatcher | None", spec: "GrammarSpec") -> GrammarFailed | None:
+    """Why a sequence's sampling failed, if its grammar is the cause."""
+    if matcher is None or not matcher.is_error():
+        return None
+    return GrammarFailed(f"{spec.param}: the {spec.kind} grammar failed while generating, within this server's "
+                         f"per-step limits: {short(matcher.get_error())}", param=spec.param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +87,10 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size        # the model's: logits may have rows the tokenizer lacks
         self._lltok = None
-        self._cache: OrderedDict[GrammarSpec, llg.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[GrammarSpec, llg.LLMatcher | RequestError] = OrderedDict()
         self._lock = threading.Lock()
+        # one compile at a time: clients sending big schemas at once take one core, not all
+        self._compiling = threading.Lock()
         self._executor = None
 
     @property
@@ -83,23 +113,53 @@ class GrammarCompiler:
 
     def _pristine(self, spec: GrammarSpec) -> llg.LLMatcher:
         lltok = self.lltokenizer
+        m = self._cached(spec)   # a hit never waits for another spec's compile
+        if m is not None:
+            return m
+        with self._compiling:
+            if self._cached(spec) is None:   # not compiled while this one waited
+                try:
+                    m = self._compile(spec, lltok)
+                except RequestError as e:
+                    m = e   # cached too: a refused schema sent again costs no second compile
+                with self._lock:
+                    self._cache[spec] = m
+                    if len(self._cache) > self.CACHE_SIZE:
+                        self._cache.popitem(last=False)
+            return self._cached(spec)
+
+    def _cached(self, spec: GrammarSpec) -> llg.LLMatcher | None:
         with self._lock:
             m = self._cache.get(spec)
             if m is not None:
                 self._cache.move_to_end(spec)
-                return m
+        if isinstance(m, RequestError):
+            raise RequestError(str(m), param=m.param)   # a new one each time: no traceback kept
+        return m
+
+    @staticmethod
+    def _compile(spec: GrammarSpec, lltok: llg.LLTokenizer) -> llg.LLMatcher:
+        """A matcher in its first state, its first mask computed (each copy starts from it: that
+        mask cost one 2,000-property schema 25 ms, paid by every choice of every request in the
+        engine's step before). RequestError if the spec is invalid, or too complex for LIMITS
+        in its first mask or the first free one: the client's fault, refused before admission."""
         try:
             text = spec.grammar()
         except (ValueError, TypeError, GbnfToLarkError) as e:   # the GBNF converter's error is neither
-            raise RequestError(f"{spec.param}: not a valid {spec.kind} ({e})", param=spec.param) from None
-        m = llg.LLMatcher(lltok, text, log_level=0)   # drops the GIL while it compiles
+            raise RequestError(f"{spec.param}: not a valid {spec.kind} ({short(str(e))})", param=spec.param) from None
+        # drops the GIL while it compiles
+        m = llg.LLMatcher(lltok, text, log_level=0, limits=llg.LLParserLimits(verbose_errors=False, **LIMITS))
         if m.is_error():
-            raise RequestError(f"{spec.param}: unsupported or invalid {spec.kind}: {m.get_error()}",
+            raise RequestError(f"{spec.param}: unsupported or invalid {spec.kind}: {short(m.get_error())}",
                                param=spec.param)
-        with self._lock:
-            self._cache[spec] = m
-            if len(self._cache) > self.CACHE_SIZE:
-                self._cache.popitem(last=False)
+        m.compute_bitmask()
+        probe = m.deep_copy()   # past the forced start (e.g. "{"): where a schema's many branches open
+        probe.consume_tokens(probe.compute_ff_tokens())
+        probe.compute_bitmask()
+        for x in (m, probe):
+            if x.is_error():
+                raise RequestError(f"{spec.param}: the {spec.kind} grammar is too complex for this server's "
+                                   f"per-step limits: {short(x.get_error())}", param=spec.param)
         return m
 
     def fill_masks(self, matchers: list[llg.LLMatcher]) -> torch.Tensor:

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from pdserve.engine.grammar import apply_masks
+from pdserve.engine.grammar import apply_masks, short
 from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger("pdserve.engine")
@@ -87,7 +87,7 @@ class Sampler:
             why = seq.matcher.get_error()
         except Exception as e:
             why = repr(e)
-        log.error("sampling failed for request %s; only it fails: %s", seq.request_id, why)
+        log.error("sampling failed for request %s; only it fails: %s", seq.request_id, short(why))
         return None
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor,
@@ -118,8 +118,8 @@ class Sampler:
     def _failed(seq: Sequence, failed: set[int], i: int, why: str | None = None) -> None:
         if why is None:
             log.exception("sampling failed for request %s; only it fails", seq.request_id)
-        else:
-            log.error("sampling failed for request %s; only it fails: %s", seq.request_id, why)
+        else:   # a grammar's message, cut: one line per failed row however big the grammar
+            log.error("sampling failed for request %s; only it fails: %s", seq.request_id, short(why))
         failed.add(i)
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], failed: set[int],
