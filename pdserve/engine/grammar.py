@@ -8,6 +8,7 @@ matcher. Grammars are compiled once per spec: new sequences get a copy of a cach
 llguidance was picked over xgrammar by measured per-token mask cost on CPU (see docs/API.md).
 """
 import json
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -89,8 +90,9 @@ class GrammarCompiler:
         self._lltok = None
         self._cache: OrderedDict[GrammarSpec, llg.LLMatcher | RequestError] = OrderedDict()
         self._lock = threading.Lock()
-        # one compile at a time: clients sending big schemas at once take one core, not all
-        self._compiling = threading.Lock()
+        # compiles at once: at most half the cores (one here), so clients sending big schemas
+        # together leave the engine its share (llguidance's limits do not bound a compile's time)
+        self._compiling = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
         self._executor = None
 
     @property
@@ -113,26 +115,22 @@ class GrammarCompiler:
 
     def _pristine(self, spec: GrammarSpec) -> llg.LLMatcher:
         lltok = self.lltokenizer
-        m = self._cached(spec)   # a hit never waits for another spec's compile
-        if m is not None:
-            return m
-        with self._compiling:
-            if self._cached(spec) is None:   # not compiled while this one waited
-                try:
-                    m = self._compile(spec, lltok)
-                except RequestError as e:
-                    m = e   # cached too: a refused schema sent again costs no second compile
-                with self._lock:
-                    self._cache[spec] = m
-                    if len(self._cache) > self.CACHE_SIZE:
-                        self._cache.popitem(last=False)
-            return self._cached(spec)
-
-    def _cached(self, spec: GrammarSpec) -> llg.LLMatcher | None:
-        with self._lock:
+        with self._lock:   # a hit never waits for another spec's compile
             m = self._cache.get(spec)
-            if m is not None:
-                self._cache.move_to_end(spec)
+        if m is None:
+            with self._compiling:
+                with self._lock:   # compiled while this one waited?
+                    m = self._cache.get(spec)
+                if m is None:
+                    try:
+                        m = self._compile(spec, lltok)
+                    except RequestError as e:
+                        m = e   # cached too: a refused schema sent again costs no second compile
+        with self._lock:
+            self._cache[spec] = m   # (again): the most recently used
+            self._cache.move_to_end(spec)
+            if len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
         if isinstance(m, RequestError):
             raise RequestError(str(m), param=m.param)   # a new one each time: no traceback kept
         return m
