@@ -6,11 +6,19 @@ import concurrent.futures as cf
 import json
 
 import httpx
+import pytest
 
 from tests.engine.test_grammar import LATE, hostile_schema
 
 MESSAGES = [{"role": "user", "content": "Fill in the form."}]
 PLAIN = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_llama):
+    """A server of its own: the failed requests here must not show in the shared one's metrics
+    (tests/server/test_docs.py reads them)."""
+    return start_server(tiny_llama)
 
 
 def post(server, path, body):
