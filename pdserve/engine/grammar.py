@@ -2,7 +2,7 @@
 choices, a Lark or GBNF grammar) as a mask over the next token, through llguidance.
 
 Each constrained sequence holds an llguidance matcher. In every step the sampler asks the
-matchers of its constrained rows for their masks (one call, computed in parallel), sets the
+matchers of its constrained rows for their masks (one after another, each timed), sets the
 disallowed logits of those rows to -inf, samples, and feeds each sampled token back to its
 matcher. Grammars are compiled once per spec: new sequences get a copy of a cached matcher.
 llguidance was picked over xgrammar by measured per-token mask cost on CPU (see docs/API.md).
@@ -10,6 +10,7 @@ llguidance was picked over xgrammar by measured per-token mask cost on CPU (see 
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -31,6 +32,11 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 LIMITS = {"step_lexer_fuel": 50_000, "step_max_items": 20_000, "max_items_in_row": 2_000,
           "initial_lexer_fuel": 1_000_000, "max_lexer_states": 50_000, "max_grammar_size": 500_000}
 ERROR_CHARS = 300   # llguidance's messages, quoted in errors and logs, are cut to this
+# What one sequence's mask may cost in a step, in CPU time of the thread computing it (load does
+# not inflate it). LIMITS count Earley items, not the work per item: an ambiguous grammar's items
+# each cost more as its text grows (`x: "a" | x x | x x x` took 110 ms a mask at 300 tokens, under
+# LIMITS), so the time itself is bounded too. A usual mask takes 0.03-0.2 ms.
+STEP_CPU_BUDGET_S = 0.05
 
 
 def short(message: str) -> str:
@@ -40,17 +46,9 @@ def short(message: str) -> str:
 
 
 class GrammarFailed(RequestError):
-    """A request's grammar failed while it generated (a limit of LIMITS, ...): that request fails
-    alone, and its client is told why."""
+    """A request's grammar failed while it generated (a limit of LIMITS, STEP_CPU_BUDGET_S, ...):
+    that request fails alone, and its client is told why."""
     code = "grammar_failed"
-
-
-def failure(matcher: "llg.LLMatcher | None", spec: "GrammarSpec") -> GrammarFailed | None:
-    """Why a sequence's sampling failed, if its grammar is the cause."""
-    if matcher is None or not matcher.is_error():
-        return None
-    return GrammarFailed(f"{spec.param}: the {spec.kind} grammar failed while generating, within this server's "
-                         f"per-step limits: {short(matcher.get_error())}", param=spec.param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +91,9 @@ class GrammarCompiler:
         # compiles at once: at most half the cores (one here), so clients sending big schemas
         # together leave the engine its share (llguidance's limits do not bound a compile's time)
         self._compiling = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
-        self._executor = None
+        # the last fill_masks call's matchers over STEP_CPU_BUDGET_S: id -> CPU seconds (their
+        # requests fail in that step, so an id is not reused before the next call replaces this)
+        self.overruns: dict[int, float] = {}
 
     @property
     def lltokenizer(self) -> llg.LLTokenizer:
@@ -102,7 +102,6 @@ class GrammarCompiler:
                 tok = self.tokenizer
                 self._lltok = llg.LLTokenizer(tok.backend_json(), n_vocab=self.vocab_size,
                                               eos_token=list(tok.eos_token_ids) or None)
-                self._executor = llg.LLExecutor()
             return self._lltok
 
     def check(self, spec: GrammarSpec) -> None:
@@ -161,15 +160,38 @@ class GrammarCompiler:
         return m
 
     def fill_masks(self, matchers: list[llg.LLMatcher]) -> torch.Tensor:
-        """The allowed-token bitmask of each matcher, (len, words) int32, computed in parallel.
-        Ids past the tokenizer's vocabulary (padding rows of the model's) have no text: never
-        allowed (tests/engine/test_grammar.py). A matcher in error gets an empty mask (the caller
-        fails its request)."""
+        """The allowed-token bitmask of each matcher, (len, words) int32. Ids past the tokenizer's
+        vocabulary (padding rows of the model's) have no text: never allowed
+        (tests/engine/test_grammar.py). A matcher in error gets an empty mask, one over
+        STEP_CPU_BUDGET_S goes into `overruns`: the caller fails their requests (failure()).
+        One after another on this thread (the model runner's mask thread, beside the forward),
+        so each is timed; a usual mask is 0.03-0.2 ms."""
         words = mask_words(self.vocab_size)
         masks = torch.empty((len(matchers), words), dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], masks.data_ptr(),
-                                               words * 4, len(matchers))
+        ptr, overruns = masks.data_ptr(), {}
+        for i, m in enumerate(matchers):
+            start = time.thread_time()
+            m.unsafe_compute_mask_ptr(ptr + i * words * 4, words * 4)   # drops the GIL
+            cost = time.thread_time() - start
+            if cost > STEP_CPU_BUDGET_S:
+                overruns[id(m)] = cost
+        self.overruns = overruns
         return masks
+
+    def failure(self, matcher: "llg.LLMatcher | None", spec: "GrammarSpec | None") -> GrammarFailed | None:
+        """Why a sequence's step failed, if its grammar is the cause."""
+        if matcher is None:
+            return None
+        cost = self.overruns.get(id(matcher))
+        if cost is not None:
+            why = (f"one token's mask took {cost * 1000:.0f} ms of CPU, over this server's per-step budget of "
+                   f"{STEP_CPU_BUDGET_S * 1000:.0f} ms")
+        elif matcher.is_error():
+            why = f"over this server's per-step limits, or invalid: {short(matcher.get_error())}"
+        else:
+            return None
+        return GrammarFailed(f"{spec.param}: the {spec.kind} grammar failed while generating: {why}",
+                             param=spec.param)
 
 
 def mask_words(vocab_size: int) -> int:

@@ -12,7 +12,7 @@ import torch
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.cost_model import StepCostModel, calibrate, calibration_shapes, step_features
-from pdserve.engine.grammar import GrammarFailed, failure as grammar_failure
+from pdserve.engine.grammar import GrammarFailed
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
@@ -210,7 +210,7 @@ class LLMEngine:
                 # list of tokens (and of logprobs).
                 try:
                     if token is None:
-                        why = grammar_failure(seq.matcher, seq.params.grammar)
+                        why = self.processor.grammars.failure(seq.matcher, seq.params.grammar)
                         raise why or RuntimeError("its sampling failed")
                     if type(token) is list:
                         token = self._append_tokens(seq, token, logprobs, now)

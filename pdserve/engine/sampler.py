@@ -132,9 +132,10 @@ class Sampler:
             for i in rows:
                 self._failed(seqs[i], failed, i)
             return
-        for i in rows:
-            if seqs[i].matcher.is_error():
-                self._failed(seqs[i], failed, i, seqs[i].matcher.get_error())
+        for i in rows:   # in error, or over the step's budget
+            why = self.grammars.failure(seqs[i].matcher, seqs[i].params.grammar)
+            if why is not None:
+                self._failed(seqs[i], failed, i, str(why))
 
     def _exponential(self, seq: Sequence, n: int) -> torch.Tensor:
         return torch.empty(n, device=self.device).exponential_(generator=self.generator_for(seq))

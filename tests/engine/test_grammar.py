@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 import pytest
+from pdserve.engine import grammar
 from pdserve.engine.grammar import GrammarFailed, GrammarSpec
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import RequestError
@@ -191,3 +192,24 @@ def test_a_grammar_that_fails_while_generating_fails_its_requests_alone_saying_w
         assert out.finish_reason == "error" and isinstance(out.error, GrammarFailed), out
         assert out.error.param == "guided_json" and "items" in str(out.error) and len(str(out.error)) < 500
     assert 0 < len(caplog.text) < 8 * 600   # a short line per failed request: never the grammar
+
+
+def test_a_request_whose_mask_costs_more_than_the_step_budget_fails_alone(engine, monkeypatch):
+    # Ambiguous: each "a" may end any of the x's before it, so a mask's work grows with the text
+    # (~tokens^2.5) while the Earley items stay within LIMITS. The budget is CPU time of the mask
+    # thread (load does not count); 2 ms here is reached in under 150 tokens even on a machine
+    # several times faster than this one, and 400 leave a wide margin.
+    monkeypatch.setattr(grammar, "STEP_CPU_BUDGET_S", 0.002)
+    ambiguous = GrammarSpec("grammar", 'start: x\nx: "a" | x x | x x x', "guided_grammar")
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = run(engine, [("free", "Hi", free)])["free"].token_ids
+    finals = run(engine, [("slow", "Hi", SamplingParams(max_tokens=400, min_tokens=400, temperature=0,
+                                                        grammar=ambiguous)),
+                          ("free", "Hi", free),
+                          ("json", "Hi", SamplingParams(max_tokens=200, temperature=0, grammar=JSON))])
+    assert finals["free"].token_ids == alone
+    jsonschema.validate(json.loads(finals["json"].text), SCHEMA)   # a usual grammar stays far below it
+    slow = finals["slow"]
+    assert slow.finish_reason == "error" and isinstance(slow.error, GrammarFailed), slow
+    assert "budget" in str(slow.error) and slow.error.param == "guided_grammar"
+    assert 0 < len(slow.token_ids) < 400
