@@ -63,10 +63,6 @@ class ToolPlan:
     parser: ToolParser | None = None   # auto only
     grammar: GrammarSpec | None = None
 
-    @property
-    def calls_only(self) -> bool:
-        return self.mode in ("required", "named")
-
 
 def plan(body, parser_name: str | None) -> ToolPlan:
     """The plan for a chat request; RequestError naming tools / tool_choice if it cannot be served."""
@@ -209,4 +205,6 @@ class ToolStream:
         return out
 
     def has_calls(self) -> bool:
-        return self.plan.calls_only or (self.plan.mode == "auto" and bool(self.plan.parser.parse(self.text)[1]))
+        if self.plan.mode in ("required", "auto"):   # a stop string may have cut "required" before its first call
+            return bool(extract(self.plan, self.text, None)[1])
+        return self.plan.mode == "named"

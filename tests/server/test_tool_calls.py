@@ -196,6 +196,10 @@ def test_required_calls_are_bounded_and_a_cut_answer_has_only_whole_calls(client
         assert (content, finish) == ("", "length")
         assert [(x["name"], x["arguments"]) for x in calls.values()] == \
             [(x.function.name, x.function.arguments) for x in c.message.tool_calls or []]
+    # a stop string before the first call: "stop" without calls, streamed or not, never "tool_calls"
+    c = client.chat.completions.create(**kw, stop=["{"], seed=1).choices[0]
+    assert (c.finish_reason, c.message.content, c.message.tool_calls) == ("stop", None, None)
+    assert streamed(client, **kw, stop=["{"], seed=1) == ("", {}, "stop")
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_MODEL, "config.json")),
