@@ -2,13 +2,15 @@
 choices, a Lark or GBNF grammar) as a mask over the next token, through llguidance.
 
 Each constrained sequence holds an llguidance matcher. In every step the sampler asks the
-matchers of its constrained rows for their masks (one call, computed in parallel), sets the
+matchers of its constrained rows for their masks (one after another, each timed), sets the
 disallowed logits of those rows to -inf, samples, and feeds each sampled token back to its
 matcher. Grammars are compiled once per spec: new sequences get a copy of a cached matcher.
 llguidance was picked over xgrammar by measured per-token mask cost on CPU (see docs/API.md).
 """
 import json
+import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -22,6 +24,32 @@ from pdserve.errors import RequestError
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # Compact JSON, no free whitespace: a model (a random one in the tests) cannot pad forever.
 JSON_OPTIONS = {"whitespace_flexible": False}
+# What one matcher may cost, as llguidance counts it (its docs' speeds: ~14k lexer fuel and ~20k
+# Earley items per ms; its defaults are 200k and 50k): one mask computation stays within ~5 ms,
+# and a grammar that needs more fails its own request (GrammarFailed) instead of slowing every
+# step. The grammars of the tests and benchmarks need under 3k fuel and 1.3k items a step.
+# verbose_errors off: an error names the limit, not the grammar (a 150 KB schema per log line).
+LIMITS = {"step_lexer_fuel": 50_000, "step_max_items": 20_000, "max_items_in_row": 2_000,
+          "initial_lexer_fuel": 1_000_000, "max_lexer_states": 50_000, "max_grammar_size": 500_000}
+ERROR_CHARS = 300   # llguidance's messages, quoted in errors and logs, are cut to this
+# What one sequence's mask may cost in a step, in CPU time of the thread computing it (load does
+# not inflate it). LIMITS count Earley items, not the work per item: an ambiguous grammar's items
+# each cost more as its text grows (`x: "a" | x x | x x x` took 110 ms a mask at 300 tokens, under
+# LIMITS), so the time itself is bounded too. A usual mask takes 0.03-0.2 ms; the worst of 10k-value
+# enums, 1,500-branch anyOfs and 450 optional pattern properties took 0.5 ms.
+STEP_CPU_BUDGET_S = 0.02
+
+
+def short(message: str) -> str:
+    """An llguidance message as one bounded line."""
+    line = " ".join(message.replace("<non-verbose/>", "").split())
+    return line if len(line) <= ERROR_CHARS else line[:ERROR_CHARS - 3] + "..."
+
+
+class GrammarFailed(RequestError):
+    """A request's grammar failed while it generated (a limit of LIMITS, STEP_CPU_BUDGET_S, ...):
+    that request fails alone, and its client is told why."""
+    code = "grammar_failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +87,14 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size        # the model's: logits may have rows the tokenizer lacks
         self._lltok = None
-        self._cache: OrderedDict[GrammarSpec, llg.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[GrammarSpec, llg.LLMatcher | RequestError] = OrderedDict()
         self._lock = threading.Lock()
-        self._executor = None
+        # compiles at once: at most half the cores (one here), so clients sending big schemas
+        # together leave the engine its share (llguidance's limits do not bound a compile's time)
+        self._compiling = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
+        # the last fill_masks call's matchers over STEP_CPU_BUDGET_S: id -> CPU seconds (their
+        # requests fail in that step, so an id is not reused before the next call replaces this)
+        self.overruns: dict[int, float] = {}
 
     @property
     def lltokenizer(self) -> llg.LLTokenizer:
@@ -70,7 +103,6 @@ class GrammarCompiler:
                 tok = self.tokenizer
                 self._lltok = llg.LLTokenizer(tok.backend_json(), n_vocab=self.vocab_size,
                                               eos_token=list(tok.eos_token_ids) or None)
-                self._executor = llg.LLExecutor()
             return self._lltok
 
     def check(self, spec: GrammarSpec) -> None:
@@ -83,35 +115,84 @@ class GrammarCompiler:
 
     def _pristine(self, spec: GrammarSpec) -> llg.LLMatcher:
         lltok = self.lltokenizer
-        with self._lock:
+        with self._lock:   # a hit never waits for another spec's compile
             m = self._cache.get(spec)
-            if m is not None:
-                self._cache.move_to_end(spec)
-                return m
+        if m is None:
+            with self._compiling:
+                with self._lock:   # compiled while this one waited?
+                    m = self._cache.get(spec)
+                if m is None:
+                    try:
+                        m = self._compile(spec, lltok)
+                    except RequestError as e:
+                        m = e   # cached too: a refused schema sent again costs no second compile
+        with self._lock:
+            self._cache[spec] = m   # (again): the most recently used
+            self._cache.move_to_end(spec)
+            if len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+        if isinstance(m, RequestError):
+            raise RequestError(str(m), param=m.param)   # a new one each time: no traceback kept
+        return m
+
+    @staticmethod
+    def _compile(spec: GrammarSpec, lltok: llg.LLTokenizer) -> llg.LLMatcher:
+        """A matcher in its first state, its first mask computed (each copy starts from it: that
+        mask cost one 2,000-property schema 25 ms, paid by every choice of every request in the
+        engine's step before). RequestError if the spec is invalid, or too complex for LIMITS
+        in its first mask or the first free one: the client's fault, refused before admission."""
         try:
             text = spec.grammar()
         except (ValueError, TypeError, GbnfToLarkError) as e:   # the GBNF converter's error is neither
-            raise RequestError(f"{spec.param}: not a valid {spec.kind} ({e})", param=spec.param) from None
-        m = llg.LLMatcher(lltok, text, log_level=0)   # drops the GIL while it compiles
+            raise RequestError(f"{spec.param}: not a valid {spec.kind} ({short(str(e))})", param=spec.param) from None
+        # drops the GIL while it compiles
+        m = llg.LLMatcher(lltok, text, log_level=0, limits=llg.LLParserLimits(verbose_errors=False, **LIMITS))
         if m.is_error():
-            raise RequestError(f"{spec.param}: unsupported or invalid {spec.kind}: {m.get_error()}",
+            raise RequestError(f"{spec.param}: unsupported or invalid {spec.kind}: {short(m.get_error())}",
                                param=spec.param)
-        with self._lock:
-            self._cache[spec] = m
-            if len(self._cache) > self.CACHE_SIZE:
-                self._cache.popitem(last=False)
+        m.compute_bitmask()
+        probe = m.deep_copy()   # past the forced start (e.g. "{"): where a schema's many branches open
+        probe.consume_tokens(probe.compute_ff_tokens())
+        probe.compute_bitmask()
+        for x in (m, probe):
+            if x.is_error():
+                raise RequestError(f"{spec.param}: the {spec.kind} grammar is too complex for this server's "
+                                   f"per-step limits: {short(x.get_error())}", param=spec.param)
         return m
 
     def fill_masks(self, matchers: list[llg.LLMatcher]) -> torch.Tensor:
-        """The allowed-token bitmask of each matcher, (len, words) int32, computed in parallel.
-        Ids past the tokenizer's vocabulary (padding rows of the model's) have no text: never
-        allowed (tests/engine/test_grammar.py). A matcher in error gets an empty mask (the caller
-        fails its request)."""
+        """The allowed-token bitmask of each matcher, (len, words) int32. Ids past the tokenizer's
+        vocabulary (padding rows of the model's) have no text: never allowed
+        (tests/engine/test_grammar.py). A matcher in error gets an empty mask, one over
+        STEP_CPU_BUDGET_S goes into `overruns`: the caller fails their requests (failure()).
+        One after another on this thread (the model runner's mask thread, beside the forward),
+        so each is timed; a usual mask is 0.03-0.2 ms."""
         words = mask_words(self.vocab_size)
         masks = torch.empty((len(matchers), words), dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], masks.data_ptr(),
-                                               words * 4, len(matchers))
+        ptr, overruns = masks.data_ptr(), {}
+        for i, m in enumerate(matchers):
+            start = time.thread_time()
+            m.unsafe_compute_mask_ptr(ptr + i * words * 4, words * 4)   # drops the GIL
+            cost = time.thread_time() - start
+            if cost > STEP_CPU_BUDGET_S:
+                overruns[id(m)] = cost
+        self.overruns = overruns
         return masks
+
+    def failure(self, matcher: "llg.LLMatcher | None", spec: "GrammarSpec | None") -> GrammarFailed | None:
+        """Why a sequence's step failed, if its grammar is the cause."""
+        if matcher is None:
+            return None
+        cost = self.overruns.get(id(matcher))
+        if cost is not None:
+            why = (f"one token's mask took {cost * 1000:.0f} ms of CPU, over this server's per-step budget of "
+                   f"{STEP_CPU_BUDGET_S * 1000:.0f} ms")
+        elif matcher.is_error():
+            why = f"over this server's per-step limits, or invalid: {short(matcher.get_error())}"
+        else:
+            return None
+        return GrammarFailed(f"{spec.param}: the {spec.kind} grammar failed while generating: {why}",
+                             param=spec.param)
 
 
 def mask_words(vocab_size: int) -> int:

@@ -12,6 +12,7 @@ import torch
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.cost_model import StepCostModel, calibrate, calibration_shapes, step_features
+from pdserve.engine.grammar import GrammarFailed
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
@@ -202,14 +203,15 @@ class LLMEngine:
                 self.speculator.verified(sched, sampled)
             self.scheduler.mark_computed(sched)
             now = time.perf_counter()
-            failed = []
+            failed, errors = [], {}
             for seq, token, logprobs in sampled:
                 # One request's failure here (its sampling: token None; detokenizing, stop checks)
                 # fails it alone; the others of the step go on. A verified speculation brings a
                 # list of tokens (and of logprobs).
                 try:
                     if token is None:
-                        raise RuntimeError("its sampling failed")
+                        why = self.processor.grammars.failure(seq.matcher, seq.params.grammar)
+                        raise why or RuntimeError("its sampling failed")
                     if type(token) is list:
                         token = self._append_tokens(seq, token, logprobs, now)
                     else:
@@ -219,6 +221,10 @@ class LLMEngine:
                         if not seq.final_only:
                             outputs.append(self.processor.make_output(seq, token))
                         continue
+                except GrammarFailed as e:   # its client hears why; the sampler logged it, in one line
+                    errors[seq.request_id] = e
+                    failed.append(seq)
+                    continue
                 except Exception:
                     logger.exception("request %s failed in this step; only it fails", seq.request_id)
                     failed.append(seq)
@@ -231,7 +237,7 @@ class LLMEngine:
                 out.kv_transfer_params = kept
                 outputs.append(out)
             if failed:
-                self._fail(failed, outputs)
+                self._fail(failed, outputs, errors)
         except Exception:
             # Whatever failed (scheduling, forward, sampling, detokenizing, stop checks), only the
             # requests in this step fail; the engine keeps serving. If scheduling itself failed,
@@ -303,8 +309,9 @@ class LLMEngine:
             for seq in seqs:
                 self.block_manager.free(seq)
 
-    def _fail(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
-        """Finish with "error" (blocks freed) each of `seqs` not already finished in this step.
+    def _fail(self, seqs: list[Sequence], outputs: list[RequestOutput], errors: dict | None = None) -> None:
+        """Finish with "error" (blocks freed) each of `seqs` not already finished in this step;
+        `errors`: request id -> the RequestError its output carries, where it was its own fault.
 
         An exception in here (e.g. a block freed twice) leaves the engine inconsistent: it
         propagates, and the server's engine loop dies and reports it."""
@@ -315,6 +322,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "error")
             seq.metrics.finished_time = now
             outputs.append(self._finish(seq, None))
+            outputs[-1].error = (errors or {}).get(seq.request_id)
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list | None, now: float) -> list[int]:
         """A verification's tokens, one at a time until one stops the sequence; those appended."""

@@ -181,10 +181,11 @@ class ModelRunner:
         except Exception:   # the sampler computes them again, and fails the rows that fail
             return None, {}
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
-        forced = {}
+        forced, overruns = {}, self.sampler.grammars.overruns   # over budget: the sampler fails them
         for i, tok in zip(rows, forced_tokens(masks)):
             s = seqs[i]
-            if tok is not None and s.params.logprobs is None and s.num_output_tokens >= s.params.min_tokens:
+            if (tok is not None and s.params.logprobs is None and s.num_output_tokens >= s.params.min_tokens
+                    and id(s.matcher) not in overruns):
                 forced[i] = tok
         if forced:
             masks = masks[[k for k, i in enumerate(rows) if i not in forced]]

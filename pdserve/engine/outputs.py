@@ -102,7 +102,7 @@ class RequestOutput:
     step, on caches the forward has just flushed, and a slotted object is one allocation with no
     dict (making one took 0.50 us warm as a dataclass with copy-on-read fields, 0.25 us so)."""
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "text", "new_token_ids", "new_text", "_logprobs",
-                 "finished", "finish_reason", "metrics", "stop_reason", "kv_transfer_params")
+                 "finished", "finish_reason", "metrics", "stop_reason", "kv_transfer_params", "error")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: "list[int] | ListPrefix", text: str,
                  new_token_ids: list[int], new_text: str, logprobs: "list[dict[int, float]] | ListPrefix | None",
@@ -122,6 +122,7 @@ class RequestOutput:
         self.stop_reason = stop_reason     # the stop string or stop token id that ended it, if any
         # a prefill worker's final output: where a decode worker pulls its prompt KV from (or {"error": ...})
         self.kv_transfer_params = kv_transfer_params
+        self.error = None   # finish_reason "error" by the request's own fault: a RequestError saying why
 
     @property
     def token_ids(self) -> list[int]:

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from pdserve.engine.grammar import apply_masks
+from pdserve.engine.grammar import apply_masks, short
 from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger("pdserve.engine")
@@ -87,7 +87,7 @@ class Sampler:
             why = seq.matcher.get_error()
         except Exception as e:
             why = repr(e)
-        log.error("sampling failed for request %s; only it fails: %s", seq.request_id, why)
+        log.error("sampling failed for request %s; only it fails: %s", seq.request_id, short(why))
         return None
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], tokens: torch.Tensor,
@@ -118,8 +118,8 @@ class Sampler:
     def _failed(seq: Sequence, failed: set[int], i: int, why: str | None = None) -> None:
         if why is None:
             log.exception("sampling failed for request %s; only it fails", seq.request_id)
-        else:
-            log.error("sampling failed for request %s; only it fails: %s", seq.request_id, why)
+        else:   # a grammar's message, cut: one line per failed row however big the grammar
+            log.error("sampling failed for request %s; only it fails: %s", seq.request_id, short(why))
         failed.add(i)
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], failed: set[int],
@@ -132,9 +132,10 @@ class Sampler:
             for i in rows:
                 self._failed(seqs[i], failed, i)
             return
-        for i in rows:
-            if seqs[i].matcher.is_error():
-                self._failed(seqs[i], failed, i, seqs[i].matcher.get_error())
+        for i in rows:   # in error, or over the step's budget
+            why = self.grammars.failure(seqs[i].matcher, seqs[i].params.grammar)
+            if why is not None:
+                self._failed(seqs[i], failed, i, str(why))
 
     def _exponential(self, seq: Sequence, n: int) -> torch.Tensor:
         return torch.empty(n, device=self.device).exponential_(generator=self.generator_for(seq))

@@ -107,6 +107,9 @@ class Submission:
             if item.finished:
                 self.unfinished.discard(item.request_id)
                 if item.finish_reason == "error":
+                    if item.error is not None:   # its own fault (its grammar failed): a 400 saying why
+                        raise APIError(400, str(item.error), param=item.error.param,
+                                       code=getattr(item.error, "code", None))
                     kv = item.kv_transfer_params
                     raise KVTransferFailed(kv["error"]) if kv and "error" in kv else StepFailed()
             yield item

@@ -4,7 +4,9 @@ the answer becomes OpenAI's `tool_calls`.
 - "none": the tools are not offered (nor given to the template); the answer is content.
 - "auto" (the default with tools): free generation, parsed by --tool-call-parser.
 - "required": the grammar allows only a JSON list of calls to declared tools, each with
-  arguments valid for its schema (as vLLM does), so the answer always parses.
+  arguments valid for its schema (as vLLM does), so the answer always parses; at most
+  MAX_CALLS calls (one without parallel_tool_calls), so the list closes and the answer ends
+  even on a model that would add calls until the context is full.
 - a named function: the grammar allows only that function's arguments.
 """
 import json
@@ -20,6 +22,7 @@ from pdserve.errors import RequestError
 from pdserve.server.tool_parsers import PARSERS, ToolParser
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_CALLS = 8   # per answer with parallel_tool_calls (the default): docs/API.md
 
 
 class FunctionDef(BaseModel):
@@ -60,10 +63,6 @@ class ToolPlan:
     parser: ToolParser | None = None   # auto only
     grammar: GrammarSpec | None = None
 
-    @property
-    def calls_only(self) -> bool:
-        return self.mode in ("required", "named")
-
 
 def plan(body, parser_name: str | None) -> ToolPlan:
     """The plan for a chat request; RequestError naming tools / tool_choice if it cannot be served."""
@@ -86,11 +85,12 @@ def plan(body, parser_name: str | None) -> ToolPlan:
         fn = tools[names.index(choice.function.name)].function
         return ToolPlan("named", template_tools, fn.name, grammar=_json(_parameters(fn), "tools"))
     if choice == "required":
-        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t.function)},
-             "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}}
-        if not body.parallel_tool_calls:
-            calls["maxItems"] = 1
+        calls = {"type": "array", "minItems": 1, "maxItems": MAX_CALLS if body.parallel_tool_calls else 1,
+                 "items": {"anyOf": [
+                     {"type": "object", "properties": {"name": {"const": t.function.name},
+                                                       "parameters": _embedded(t.function, i)},
+                      "required": ["name", "parameters"], "additionalProperties": False}
+                     for i, t in enumerate(tools)]}}
         return ToolPlan("required", template_tools, grammar=_json(calls, "tools"))
     if parser_name is None:   # "auto"
         raise RequestError('tool_choice "auto" needs a server started with --tool-call-parser; "required" '
@@ -100,6 +100,14 @@ def plan(body, parser_name: str | None) -> ToolPlan:
 
 def _parameters(fn: FunctionDef) -> dict:
     return fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
+
+
+def _embedded(fn: FunctionDef, i: int) -> dict:
+    """A tool's parameters as a part of the "required" schema. Its own `$id` makes it a schema
+    resource of its own, so its `$ref`s (`#/$defs/...`, as pydantic writes them) resolve against
+    it, not against the array around it, and two tools may each define a `$defs` entry of one name."""
+    params = _parameters(fn)
+    return params if "$id" in params else {"$id": f"urn:pdserve:tool:{i}", **params}
 
 
 def _json(schema: dict, param: str) -> GrammarSpec:
@@ -132,16 +140,27 @@ def extract(p: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | No
     """(content, tool_calls) of a finished answer."""
     if p.mode == "named":
         return (None, [new_call(p.name, text)]) if finish_reason == "stop" else (text, [])
-    if p.mode == "required":
-        try:
-            calls = json.loads(text)
-            return None, [new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-        except (json.JSONDecodeError, TypeError, KeyError):
-            return text, []   # cut short by max_tokens: it is what it is
+    if p.mode == "required":   # never content: the calls the answer completed (all, unless cut short)
+        return None, [new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                      for c in _complete_items(text)]
     if p.mode == "auto":
         content, calls = p.parser.parse(text)
         return content, [new_call(n, a) for n, a in calls]
     return text, []
+
+
+def _complete_items(text: str) -> list:
+    """The items of a JSON array that are whole in `text`, a prefix of the array the grammar
+    allowed (compact, as JSON_OPTIONS writes it): an item that max_tokens cut is left out."""
+    items, decoder, i = [], json.JSONDecoder(), 1
+    while text.startswith("[") and i < len(text):
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        items.append(item)
+        i += 1   # the "," or "]" after it
+    return items
 
 
 class ToolStream:
@@ -169,9 +188,7 @@ class ToolStream:
         if p.mode == "required":
             if finished:
                 _, calls = extract(p, self.text, finish_reason)
-                if calls:
-                    return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
-                return [{"content": self.text}] if self.text else []
+                return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
             return []
         if p.mode != "auto":
             upto = len(self.text)
@@ -188,4 +205,6 @@ class ToolStream:
         return out
 
     def has_calls(self) -> bool:
-        return self.plan.calls_only or (self.plan.mode == "auto" and bool(self.plan.parser.parse(self.text)[1]))
+        if self.plan.mode in ("required", "auto"):   # a stop string may have cut "required" before its first call
+            return bool(extract(self.plan, self.text, None)[1])
+        return self.plan.mode == "named"

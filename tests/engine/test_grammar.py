@@ -1,12 +1,15 @@
 """Constrained decoding in the engine: every constrained output matches its grammar whatever the
 model (random weights here), greedy or sampled, batched with free requests; constrained rows
-never take the fused argmax path; logits past the tokenizer's vocabulary are masked."""
+never take the fused argmax path; logits past the tokenizer's vocabulary are masked; a grammar too
+complex for the per-step limits is refused, or fails its own request alone, in one short line."""
 import json
+import logging
 import re
 
 import jsonschema
 import pytest
-from pdserve.engine.grammar import GrammarSpec
+from pdserve.engine import grammar
+from pdserve.engine.grammar import GrammarFailed, GrammarSpec
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
@@ -145,3 +148,68 @@ def test_rows_the_grammar_forces_skip_the_lm_head(engine, monkeypatch):
     out = finals["l"]
     assert out.text == "the one and only answer" and len(calls) == len(out.token_ids)
     assert all(lp is not None for lp in out.logprobs)
+
+
+def hostile_schema() -> dict:
+    """issue 38's: 2,000 optional properties with a pattern each (~170 KB); after "{" any of them
+    may come, more than llguidance's per-row limit."""
+    return {"type": "object", "properties": {
+        f"field_{i:04d}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 13 + 8}}}-[0-9A-F]{{4}}(x|y{i})*$"}
+        for i in range(2000)}}
+
+
+def many_fields(n: int) -> dict:
+    return {"type": "object", "properties": {f"f{i}": {"type": "integer"} for i in range(n)}}
+
+
+# Its first mask (an object or an array) is fine; both open 600 optional keys at once, too many
+# for a step: it passes admission and fails while generating.
+LATE = {"anyOf": [many_fields(600), {"type": "array", "minItems": 1, "items": many_fields(600)}]}
+
+
+def test_a_grammar_too_complex_for_the_step_limits_is_refused_in_one_short_line(engine):
+    spec = GrammarSpec("json", json.dumps(hostile_schema()), "response_format")
+    assert len(spec.value) > 150_000
+    for _ in range(2):   # the second time from the cache
+        with pytest.raises(RequestError) as e:
+            engine.processor.grammars.check(spec)
+        message = str(e.value)
+        assert e.value.param == "response_format" and "too complex" in message
+        assert len(message) < 400 and "\n" not in message and "field_0" not in message
+
+
+def test_a_grammar_that_fails_while_generating_fails_its_requests_alone_saying_why(engine, caplog):
+    late = GrammarSpec("json", json.dumps(LATE), "guided_json")
+    engine.processor.grammars.check(late)   # admitted
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = run(engine, [("free", "Hi", free)])["free"].token_ids
+    with caplog.at_level(logging.INFO):
+        finals = run(engine, [(f"late-{i}", "Hi", SamplingParams(max_tokens=50, temperature=1.0, seed=i, grammar=late))
+                              for i in range(8)] + [("free", "Hi", free)])
+    assert finals["free"].token_ids == alone and finals["free"].finish_reason == "length"
+    for i in range(8):
+        out = finals[f"late-{i}"]
+        assert out.finish_reason == "error" and isinstance(out.error, GrammarFailed), out
+        assert out.error.param == "guided_json" and "items" in str(out.error) and len(str(out.error)) < 500
+    assert 0 < len(caplog.text) < 8 * 600   # a short line per failed request: never the grammar
+
+
+def test_a_request_whose_mask_costs_more_than_the_step_budget_fails_alone(engine, monkeypatch):
+    # Ambiguous: each "a" may end any of the x's before it, so a mask's work grows with the text
+    # (~tokens^2.5) while the Earley items stay within LIMITS. The budget is CPU time of the mask
+    # thread (load does not count); 2 ms here is reached in under 150 tokens even on a machine
+    # several times faster than this one, and 400 leave a wide margin.
+    monkeypatch.setattr(grammar, "STEP_CPU_BUDGET_S", 0.002)
+    ambiguous = GrammarSpec("grammar", 'start: x\nx: "a" | x x | x x x', "guided_grammar")
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = run(engine, [("free", "Hi", free)])["free"].token_ids
+    finals = run(engine, [("slow", "Hi", SamplingParams(max_tokens=400, min_tokens=400, temperature=0,
+                                                        grammar=ambiguous)),
+                          ("free", "Hi", free),
+                          ("json", "Hi", SamplingParams(max_tokens=200, temperature=0, grammar=JSON))])
+    assert finals["free"].token_ids == alone
+    jsonschema.validate(json.loads(finals["json"].text), SCHEMA)   # a usual grammar stays far below it
+    slow = finals["slow"]
+    assert slow.finish_reason == "error" and isinstance(slow.error, GrammarFailed), slow
+    assert "budget" in str(slow.error) and slow.error.param == "guided_grammar"
+    assert 0 < len(slow.token_ids) < 400

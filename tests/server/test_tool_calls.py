@@ -11,7 +11,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.engine.args import DEFAULT_MODEL
+from pdserve.server.tool_calls import MAX_CALLS
 from pdserve.server.tool_parsers import HermesParser, Llama3JsonParser
 from pdserve.tokenizer import Tokenizer
 
@@ -138,6 +141,86 @@ def test_parallel_tool_calls_false_gives_one_call(client, model):
                                            parallel_tool_calls=False, max_completion_tokens=400, temperature=1.0,
                                            seed=s)
         assert len(r.choices[0].message.tool_calls) == 1
+
+
+class Address(BaseModel):
+    model_config = ConfigDict(extra="forbid")   # no free extra keys: the answer is bounded
+    street: str = Field(max_length=12)
+    city: str = Field(max_length=12)
+
+
+class Person(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=12)
+    home: Address
+
+
+class Parcel(BaseModel):   # another "Address" in its own $defs, not the Person's
+    model_config = ConfigDict(extra="forbid")
+
+    class Address(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        zip: int = Field(ge=0, le=99999)
+    to: Address
+
+
+def test_required_takes_parameters_with_defs_as_pydantic_writes_them(client, model):
+    schemas = {"add_person": Person.model_json_schema(), "send_parcel": Parcel.model_json_schema()}
+    assert all("$defs" in s for s in schemas.values())
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in schemas.items()]
+    names = set()
+    for seed, offered in enumerate([tools] * 4 + [tools[:1], tools[1:]]):
+        r = client.chat.completions.create(model=model, messages=MESSAGES, tools=offered, tool_choice="required",
+                                           parallel_tool_calls=False, max_completion_tokens=180, temperature=1.0,
+                                           seed=seed)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        for call in c.message.tool_calls:   # each call's arguments valid for its own tool's $defs
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            names.add(call.function.name)
+    assert names == set(schemas)
+
+
+def test_required_calls_are_bounded_and_a_cut_answer_has_only_whole_calls(client, model):
+    kw = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0)
+    for seed in range(4):
+        c = client.chat.completions.create(**kw, seed=seed).choices[0]   # max_tokens: the rest of the context
+        assert c.finish_reason == "tool_calls" and 1 <= len(c.message.tool_calls) <= MAX_CALLS
+    # cut by max_tokens in mid-array: "length", no content, only the calls that were whole
+    for max_tokens in (3, 25, 40):
+        c = client.chat.completions.create(**kw, max_completion_tokens=max_tokens, seed=1).choices[0]
+        assert c.finish_reason == "length" and c.message.content is None
+        for call in c.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        content, calls, finish = streamed(client, **kw, max_completion_tokens=max_tokens, seed=1)
+        assert (content, finish) == ("", "length")
+        assert [(x["name"], x["arguments"]) for x in calls.values()] == \
+            [(x.function.name, x.function.arguments) for x in c.message.tool_calls or []]
+    # a stop string before the first call: "stop" without calls, streamed or not, never "tool_calls"
+    c = client.chat.completions.create(**kw, stop=["{"], seed=1).choices[0]
+    assert (c.finish_reason, c.message.content, c.message.tool_calls) == ("stop", None, None)
+    assert streamed(client, **kw, stop=["{"], seed=1) == ("", {}, "stop")
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_MODEL, "config.json")),
+                    reason="the bundled default model has not been built")
+def test_the_docs_required_example_on_the_bundled_model(start_server):
+    """docs/API.md's example, as a new user runs it: the answer is tool calls, not JSON in content."""
+    server = start_server(None, "--num-kv-blocks", "128")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    for parallel in (True, False):
+        r = client.chat.completions.create(model="default-model", messages=messages, tools=tools,
+                                           tool_choice="required", parallel_tool_calls=parallel)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        assert 1 <= len(c.message.tool_calls) <= (MAX_CALLS if parallel else 1)
+        call = c.message.tool_calls[0]
+        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    server.stop()
 
 
 def test_a_named_function_is_the_one_called(client, model):
