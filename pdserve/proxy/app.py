@@ -92,12 +92,17 @@ def build_app(proxy: Proxy, connect_timeout: float = 5.0, max_body_bytes: int = 
         """200 when every worker's /health is; otherwise 503 naming those that are not."""
         workers = proxy.prefill.workers + proxy.decode.workers
 
+        async def status(w) -> int:
+            # only the status line is read: a body, however long, is never waited for
+            async with proxy.client.stream("GET", w.url + "/health", timeout=HEALTH_TIMEOUT_S) as r:
+                return r.status_code
+
         async def probe(w) -> str:
             try:
-                r = await proxy.client.get(w.url + "/health", timeout=HEALTH_TIMEOUT_S)
-            except httpx.HTTPError as e:
+                code = await asyncio.wait_for(status(w), HEALTH_TIMEOUT_S)
+            except (httpx.HTTPError, TimeoutError) as e:
                 return f"unreachable ({type(e).__name__})"
-            return "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
+            return "ok" if code == 200 else f"HTTP {code}"
         states = dict(zip((f"{w.role} {w.url}" for w in workers), await asyncio.gather(*map(probe, workers))))
         bad = [f"{name}: {state}" for name, state in states.items() if state != "ok"]
         if bad:

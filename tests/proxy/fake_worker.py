@@ -4,7 +4,7 @@ holding a lease; a decode worker takes only params a prefill worker issued, "gen
 per token (w0 w1 ...), and releases the lease when it finishes or its client leaves. Each records
 the bodies it got, and the path of every request. `behaviour` makes one misbehave: refuse, hang, or
 die in the middle; `models` makes its model list normal ("ok"), never end ("trickle": a byte at a
-time; "flood": as fast as it can) or never start ("hang").
+time; "flood": as fast as it can) or never start ("hang"), and its /health too (but "flood").
 
 It also has routes the proxy must never reach: /v1/engine/steps and /metrics, as a real worker."""
 import asyncio
@@ -59,6 +59,10 @@ class FakeWorker:
 
         @app.get("/health")
         async def health():
+            if self.models == "hang":
+                await asyncio.sleep(3600)
+            if self.models == "trickle":
+                return StreamingResponse(self._endless(1), media_type="application/json")
             return {"status": "ok"}
 
         @app.get("/v1/models")

@@ -95,6 +95,19 @@ def test_a_forwarded_answer_that_never_ends_is_bounded(cluster, models, status, 
     wait_until(lambda: decode.listing == 0, timeout=60)   # the worker connection was closed
 
 
+@pytest.mark.parametrize("health,status", [("trickle", 200), ("hang", 503)])
+def test_a_worker_health_answer_that_never_ends_does_not_hold_the_proxys(cluster, health, status):
+    """Only the status line of a worker's /health is read, within 2 s."""
+    decode = FakeWorker("decode")
+    c = cluster(decode=[decode])
+    decode.models = health   # after the pairing check
+    r = httpx.get(c.url + "/health", timeout=60)
+    assert r.status_code == status, r.text
+    if status == 503:
+        assert f"decode {decode.url}: unreachable (" in r.json()["error"]["message"]
+    wait_until(lambda: decode.listing == 0, timeout=60)
+
+
 def test_clients_that_leave_do_not_exhaust_the_pool(cluster):
     """2 x --max-connections clients each leave a never-ending model list: each worker call is
     closed when its client goes, and /health (and the model list) still answer."""
