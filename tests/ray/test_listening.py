@@ -12,8 +12,6 @@ import pytest
 
 from pdserve.ray.listen import node_ip_for
 
-pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]' (.ci/run installs it)")
-
 
 def descendants(root: int) -> set[int]:
     children: dict[int, list[int]] = {}
@@ -87,6 +85,7 @@ def test_the_node_ip_follows_the_host():
 
 
 def test_a_local_ray_instance_listens_on_loopback_only(tiny_llama, tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]' (.ci/run installs it)")
     if not (os.path.exists("/proc/net/tcp") and os.path.isdir(f"/proc/{os.getpid()}/fd")):
         pytest.skip("listening sockets are read from /proc (Linux), which this system does not have")
     from tests.ray.conftest import free_port
