@@ -80,7 +80,7 @@ class ProxyServer(uvicorn.Server):
     """uvicorn's server, ending the forwarded calls still waiting on a worker when
     --shutdown-timeout runs out (503 shutdown_timeout), before uvicorn's own timeout, FLUSH_S
     later, cancels what is left (with a traceback in the log)."""
-    FLUSH_S = 2.0
+    FLUSH_S = 5.0   # for the 503s to be sent, on a loaded machine too
 
     def __init__(self, app, shutdown_timeout: float, **config):
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + self.FLUSH_S, **config))
