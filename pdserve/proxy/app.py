@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
-from pdserve.proxy.forward import Forwarder
+from pdserve.proxy.forward import ANSWER_PER_BODY_BYTE, Forwarder
 from pdserve.proxy.relay import Proxy
 from pdserve.server.errors import APIError, error_response, install_error_handlers
 from pdserve.server.middleware import APIKeyMiddleware, BodyMiddleware, HostCheckMiddleware, InternalErrorMiddleware
@@ -64,7 +64,7 @@ def build_app(proxy: Proxy, connect_timeout: float = 5.0, max_body_bytes: int = 
     async def chat_completions(request: Request):
         return await relay(request, "chat", "/v1/chat/completions")
 
-    forwarder = app.state.forwarder = Forwarder(proxy)
+    forwarder = app.state.forwarder = Forwarder(proxy, max_bytes=ANSWER_PER_BODY_BYTE * max_body_bytes)
 
     async def forward(request: Request, method: str, path: str) -> Response:
         """A fixed `path` of a decode worker (forward.py), cancelled if the client leaves."""

@@ -3,7 +3,7 @@
 Only fixed paths are forwarded: the upstream URL is a worker's base URL and a path named here,
 never a path the client sent, so no client path can reach a worker's other routes (its
 /v1/engine/steps, /metrics, /v1/kv_transfer). A forwarded answer must arrive whole within
---read-timeout and be at most MAX_ANSWER_BYTES, so no worker answer is a never-ending read; the
+--read-timeout and be at most `max_bytes`, so no worker answer is a never-ending read; the
 caller cancels the call when its client leaves, which closes the worker connection at once.
 """
 import asyncio
@@ -16,8 +16,8 @@ from pdserve.proxy.relay import Refused, WorkerFailure, failure
 from pdserve.server.errors import APIError
 
 PATHS = ("/v1/models", "/tokenize", "/detokenize")
-# a /tokenize answer for a 1 MB prompt is about 2 MB; nothing forwarded comes near this
-MAX_ANSWER_BYTES = 16 << 20
+# of the largest request body: a /tokenize answer holds at worst an id and a comma per prompt byte
+ANSWER_PER_BODY_BYTE = 16
 
 
 class TooLarge(Exception):
@@ -25,7 +25,7 @@ class TooLarge(Exception):
 
 
 class Forwarder:
-    def __init__(self, proxy, max_bytes: int = MAX_ANSWER_BYTES):
+    def __init__(self, proxy, max_bytes: int):
         self.proxy, self.max_bytes = proxy, max_bytes
         self.stopping = asyncio.Event()   # set when the proxy's --shutdown-timeout has run out
 

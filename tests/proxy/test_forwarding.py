@@ -89,7 +89,9 @@ def test_a_model_is_found_by_its_id_even_with_slashes(cluster):
 def test_a_forwarded_answer_that_never_ends_is_bounded(cluster, models, status, code):
     decode = FakeWorker("decode", models=models)
     # the trickle sends a byte every 0.05 s, so only a deadline on the whole answer ends it
-    c = cluster(decode=[decode], flags=["--read-timeout", "1" if models != "flood" else "600"])
+    # (a flood is bounded by 16 x --max-body-bytes)
+    flags = ["--read-timeout", "1"] if models != "flood" else ["--read-timeout", "600", "--max-body-bytes", "4096"]
+    c = cluster(decode=[decode], flags=flags)
     r = httpx.get(c.url + "/v1/models", timeout=120)
     assert r.status_code == status and r.json()["error"]["code"] == code, r.text
     wait_until(lambda: decode.listing == 0, timeout=60)   # the worker connection was closed
