@@ -1,6 +1,6 @@
 """The proxy's FastAPI app: the OpenAI generation endpoints relayed through a prefill and a
-decode worker (relay.py), the model list and tokenizer forwarded to a decode worker, /health over
-every worker, and the proxy's own /metrics."""
+decode worker (relay.py), the model list and tokenizer forwarded to a decode worker (forward.py),
+/health over every worker, and the proxy's own /metrics. No other path reaches a worker."""
 import asyncio
 import contextlib
 import json
@@ -11,7 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
-from pdserve.proxy.relay import Proxy, Refused, failure
+from pdserve.proxy.forward import ANSWER_PER_BODY_BYTE, Forwarder
+from pdserve.proxy.relay import Proxy
 from pdserve.server.errors import APIError, error_response, install_error_handlers
 from pdserve.server.middleware import APIKeyMiddleware, BodyMiddleware, HostCheckMiddleware, InternalErrorMiddleware
 from pdserve.server.streaming import unless_disconnected
@@ -44,11 +45,11 @@ def build_app(proxy: Proxy, connect_timeout: float = 5.0, max_body_bytes: int = 
     app = FastAPI(title="pdserve proxy", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.proxy = proxy
 
-    async def relay(request: Request, endpoint: str) -> Response:
+    async def relay(request: Request, endpoint: str, path: str) -> Response:
+        """`path` is the route's own: what a client sent never becomes a worker's path."""
         arrival = time.perf_counter()
         body = parse_body(await request.body())
         headers = proxy.headers_for(request.headers)
-        path = request.url.path
         if body.get("stream") is True:
             work = proxy.stream(path, body, headers, arrival, endpoint)
         else:
@@ -57,50 +58,51 @@ def build_app(proxy: Proxy, connect_timeout: float = 5.0, max_body_bytes: int = 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await relay(request, "completions")
+        return await relay(request, "completions", "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await relay(request, "chat")
+        return await relay(request, "chat", "/v1/chat/completions")
 
-    async def forward(request: Request, method: str) -> Response:
-        """A request any decode worker answers alike: the model list, the tokenizer."""
-        worker = proxy.decode.choose()
-        try:
-            r = await proxy.client.request(method, worker.url + request.url.path, content=await request.body(),
-                                           headers=proxy.headers_for(request.headers))
-        except httpx.HTTPError as e:
-            return failure(worker, e, proxy.read_timeout).response()
-        return Refused.of(r).response() if r.status_code != 200 else Response(
-            r.content, media_type=r.headers.get("content-type", "application/json"))
+    forwarder = app.state.forwarder = Forwarder(proxy, max_bytes=ANSWER_PER_BODY_BYTE * max_body_bytes)
+
+    async def forward(request: Request, method: str, path: str) -> Response:
+        """A fixed `path` of a decode worker (forward.py), cancelled if the client leaves."""
+        work = forwarder(method, path, await request.body(), proxy.headers_for(request.headers))
+        return await unless_disconnected(request, work)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        return await forward(request, "GET")
+        return await forward(request, "GET", "/v1/models")
 
     @app.get("/v1/models/{model:path}")
-    async def model(request: Request):
-        return await forward(request, "GET")
+    async def model(request: Request, model: str):
+        return await unless_disconnected(request, forwarder.model(model, proxy.headers_for(request.headers)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await forward(request, "POST")
+        return await forward(request, "POST", "/tokenize")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await forward(request, "POST")
+        return await forward(request, "POST", "/detokenize")
 
     @app.get("/health")
     async def health():
         """200 when every worker's /health is; otherwise 503 naming those that are not."""
         workers = proxy.prefill.workers + proxy.decode.workers
 
+        async def status(w) -> int:
+            # only the status line is read: a body, however long, is never waited for
+            async with proxy.client.stream("GET", w.url + "/health", timeout=HEALTH_TIMEOUT_S) as r:
+                return r.status_code
+
         async def probe(w) -> str:
             try:
-                r = await proxy.client.get(w.url + "/health", timeout=HEALTH_TIMEOUT_S)
-            except httpx.HTTPError as e:
+                code = await asyncio.wait_for(status(w), HEALTH_TIMEOUT_S)
+            except (httpx.HTTPError, TimeoutError) as e:
                 return f"unreachable ({type(e).__name__})"
-            return "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
+            return "ok" if code == 200 else f"HTTP {code}"
         states = dict(zip((f"{w.role} {w.url}" for w in workers), await asyncio.gather(*map(probe, workers))))
         bad = [f"{name}: {state}" for name, state in states.items() if state != "ok"]
         if bad:

@@ -4,6 +4,7 @@ Before it listens, it checks every worker's GET /v1/kv_transfer (pairing.py) and
 start, in one line, if one is unreachable, has the wrong role, or disagrees on the model, the
 KV block size or the KV dtype."""
 import argparse
+import asyncio
 import logging
 import os
 
@@ -14,7 +15,7 @@ from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.pairing import check_pairing
 from pdserve.proxy.relay import Proxy
 from pdserve.proxy.routing import ROUTINGS, Router, Worker, worker_url
-from pdserve.server.launch import _at_least, _seconds, allowed_hosts, bind
+from pdserve.server.launch import _at_least, _number_at_least, _seconds, allowed_hosts, bind
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,10 @@ def add_listen_arguments(g) -> None:
                    help="largest request body; larger ones get 413 (default: %(default)s)")
     g.add_argument("--max-connections", type=_at_least(1), default=1000,
                    help="most open client connections, and most connections to the workers (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=_number_at_least(0), default=30.0,
+                   help="seconds requests in flight get to finish after SIGTERM; then a model list or "
+                        "tokenizer call still waiting on its worker gets 503 shutdown_timeout "
+                        "(default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the proxy and its access log (default: %(default)s)")
 
@@ -71,13 +76,31 @@ def build(args: argparse.Namespace):
     return app, pairing
 
 
+class ProxyServer(uvicorn.Server):
+    """uvicorn's server, ending the forwarded calls still waiting on a worker when
+    --shutdown-timeout runs out (503 shutdown_timeout), before uvicorn's own timeout, FLUSH_S
+    later, cancels what is left (with a traceback in the log)."""
+    FLUSH_S = 5.0   # for the 503s to be sent, on a loaded machine too
+
+    def __init__(self, app, shutdown_timeout: float, **config):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + self.FLUSH_S, **config))
+        self.forwarder, self.shutdown_timeout = app.state.forwarder, shutdown_timeout
+
+    async def shutdown(self, sockets=None):
+        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self.forwarder.stopping.set)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 def serve(app, args: argparse.Namespace) -> uvicorn.Server:
     """A uvicorn server for the proxy's app (run it with .run(sockets=[sock]))."""
     from pdserve.server.connections import guarded_protocol
 
     protocol = guarded_protocol(10.0, 30.0, args.max_connections)   # pdserve serve's default read limits
     logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per call to a worker
-    return uvicorn.Server(uvicorn.Config(app, http=protocol, log_level=args.log_level, timeout_graceful_shutdown=30))
+    return ProxyServer(app, args.shutdown_timeout, http=protocol, log_level=args.log_level)
 
 
 def run(args: argparse.Namespace) -> int:

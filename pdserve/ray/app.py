@@ -16,6 +16,7 @@ from pdserve.errors import ConfigError
 from pdserve.proxy.pairing import check_described
 from pdserve.proxy.routing import Worker
 from pdserve.ray.ingress import ingress_class
+from pdserve.ray.listen import local_ray_options
 from pdserve.ray.pd_ingress import pd_ingress_class
 from pdserve.ray.replica import EngineReplica
 from pdserve.ray.request_router import KVAwareRequestRouter
@@ -119,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
     # (/tmp/ray/ray_current_cluster): right for --ray-scale (the running app's), but serving
     # starts a local instance of its own, as the flag's help says.
     address = args.ray_address or os.environ.get("RAY_ADDRESS") or (None if args.ray_scale is not None else "local")
-    ray.init(address=address, logging_level=args.log_level.upper())
+    # a local instance listens on --host where Ray allows it (listen.py); a cluster's own are its `ray start`'s
+    local = local_ray_options(args.host) if address == "local" else {}
+    ray.init(address=address, logging_level=args.log_level.upper(), **local)
     if args.ray_scale is not None:
         scale(args.ray_scale)
         log.warning("%s: scaling to %d replica(s)", APP_NAME, args.ray_scale)

@@ -2,7 +2,11 @@
 apps in the test process: a prefill worker answers one token and a kv_transfer_params object,
 holding a lease; a decode worker takes only params a prefill worker issued, "generates" one word
 per token (w0 w1 ...), and releases the lease when it finishes or its client leaves. Each records
-the bodies it got. `behaviour` makes one misbehave: refuse, hang, or die in the middle."""
+the bodies it got, and the path of every request. `behaviour` makes one misbehave: refuse, hang, or
+die in the middle; `models` makes its model list normal ("ok"), never end ("trickle": a byte at a
+time; "flood": as fast as it can) or never start ("hang"), and its /health too (but "flood").
+
+It also has routes the proxy must never reach: /v1/engine/steps and /metrics, as a real worker."""
 import asyncio
 import itertools
 import json
@@ -10,7 +14,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.server.streaming import unless_disconnected
 
@@ -18,11 +22,26 @@ LEASES: dict[str, str] = {}   # remote_request_id -> the prefill worker's engine
 _ids = itertools.count()
 
 
+class PathRecorder:
+    """Plain ASGI middleware (Starlette's BaseHTTPMiddleware would change how a dying stream ends)."""
+
+    def __init__(self, app, paths: list[str]):
+        self.app, self.paths = app, paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+        await self.app(scope, receive, send)
+
+
 class FakeWorker:
     def __init__(self, role: str, model: str = "tiny", block_size: int = 16, dtype: str = "float32",
-                 behaviour: str = "ok", token_delay: float = 0.0, refusal: tuple = (400, "temperature")):
+                 behaviour: str = "ok", token_delay: float = 0.0, refusal: tuple = (400, "temperature"),
+                 models: str = "ok"):
         self.role, self.model, self.block_size, self.dtype = role, model, block_size, dtype
-        self.behaviour, self.token_delay, self.refusal = behaviour, token_delay, refusal
+        self.behaviour, self.token_delay, self.refusal, self.models = behaviour, token_delay, refusal, models
+        self.paths: list[str] = []   # of every request, as the worker's router saw it
+        self.listing = 0    # model lists being sent now
         self.engine_id = f"{role}-{next(_ids)}"
         self.bodies: list[dict] = []
         self.aborted = 0    # decode requests whose client left before the end
@@ -31,6 +50,7 @@ class FakeWorker:
 
     def _build(self) -> FastAPI:
         app = FastAPI()
+        app.add_middleware(PathRecorder, paths=self.paths)
 
         @app.get("/v1/kv_transfer")
         async def kv_transfer():
@@ -39,11 +59,28 @@ class FakeWorker:
 
         @app.get("/health")
         async def health():
+            if self.models == "hang":
+                await asyncio.sleep(3600)
+            if self.models == "trickle":
+                return StreamingResponse(self._endless(1), media_type="application/json")
             return {"status": "ok"}
 
         @app.get("/v1/models")
         async def models():
+            if self.models == "hang":
+                await asyncio.sleep(3600)
+            if self.models in ("trickle", "flood"):
+                return StreamingResponse(self._endless(1 if self.models == "trickle" else 1 << 16),
+                                         media_type="application/json")
             return {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "pdserve"}]}
+
+        @app.get("/v1/engine/steps")
+        async def steps():
+            return StreamingResponse(self._endless(64), media_type="application/x-ndjson")
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response("pdserve:secret 1\n", media_type="text/plain")
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -95,6 +132,15 @@ class FakeWorker:
             self.running -= 1
             self.aborted += not done
             LEASES.pop(params["remote_request_id"], None)
+
+    async def _endless(self, size: int):
+        self.listing += 1
+        try:
+            while True:
+                yield b" " * size
+                await asyncio.sleep(0.05 if size == 1 else 0)
+        finally:
+            self.listing -= 1
 
     async def _die_after(self, data: bytes):
         yield data
