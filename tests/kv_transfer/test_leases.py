@@ -3,7 +3,6 @@ prefill worker, a fake decode worker that refuses or never answers, and the prox
 deployment's secret. The prefill worker's leases go back to 0 long before --kv-lease-s."""
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -13,16 +12,10 @@ from pdserve.proxy import launch
 from tests.kv_transfer.pd import ENGINE, SECRET
 from tests.proxy.conftest import Served, proxy_args
 from tests.proxy.fake_worker import FakeWorker
+from tests.proxy.test_disconnect import wait_until
 from tests.server.inprocess import serve
 
 BODY = {"prompt": "Once upon a time there was a little robot who lived in a lighthouse", "max_tokens": 8}
-
-
-def wait_until(predicate, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +52,7 @@ def test_a_refused_decode_call_releases_the_lease(prefill, proxied, status):
     assert r.status_code == status and r.json()["error"]["param"] == "max_tokens"
     lease = decode.bodies[0]["kv_transfer_params"]
     assert lease["decode_engine_id"] == decode.engine_id   # the lease was made for the worker chosen first
-    wait_until(lambda: leases(prefill) == 0)
+    wait_until(lambda: leases(prefill) == 0, timeout=120)
 
 
 def test_a_client_gone_between_the_two_calls_releases_the_lease(prefill, proxied):
@@ -69,6 +62,6 @@ def test_a_client_gone_between_the_two_calls_releases_the_lease(prefill, proxied
     with socket.create_connection((host, int(port))) as s:   # leaves once the prefill has answered
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        wait_until(lambda: decode.bodies)
+        wait_until(lambda: decode.bodies, timeout=120)
         assert leases(prefill) == 1
-    wait_until(lambda: leases(prefill) == 0)
+    wait_until(lambda: leases(prefill) == 0, timeout=120)
