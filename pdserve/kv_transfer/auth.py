@@ -38,8 +38,13 @@ def new_lease_id() -> str:
 
 
 def mac(secret: str, *parts) -> str:
-    msg = "\n".join(map(str, parts)).encode()
+    msg = "\n".join(map(str, parts)).encode("utf-8", "surrogatepass")   # (a peer's JSON may hold any)
     return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def same(a: str, b: str) -> bool:
+    """Constant-time equality of two strings, any characters (compare_digest takes ASCII str only)."""
+    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
 
 
 def prompt_hash(token_ids) -> str:
@@ -52,7 +57,7 @@ def sign(secret: str, params: dict) -> str:
 
 def signed(secret: str, params: dict) -> bool:
     sig = params.get("signature")
-    return isinstance(sig, str) and hmac.compare_digest(sig, sign(secret, params))
+    return isinstance(sig, str) and same(sig, sign(secret, params))
 
 
 def _mac_str(msg: dict, key: str) -> str:
@@ -71,7 +76,7 @@ def accept(conn: socket.socket, secret: str) -> str:
     except frames.FrameError as e:
         raise AuthError(f"no valid AUTH frame: {e}") from None
     engine_id, theirs, their_mac = _mac_str(msg, "engine_id"), _mac_str(msg, "nonce"), _mac_str(msg, "mac")
-    if not hmac.compare_digest(their_mac, mac(secret, "pdserve-kv-client-v1", nonce, theirs, engine_id)):
+    if not same(their_mac, mac(secret, "pdserve-kv-client-v1", nonce, theirs, engine_id)):
         raise AuthError("authentication failed (not this deployment's --kv-transfer-secret)")
     frames.send_json(conn, frames.AUTH_OK, {"mac": mac(secret, "pdserve-kv-server-v1", nonce, theirs, engine_id)})
     return engine_id
@@ -87,7 +92,7 @@ def connect(conn: socket.socket, secret: str, engine_id: str) -> None:
     kind, msg = frames.recv_json(conn, expect=(frames.AUTH_OK, frames.ERROR))
     if kind == frames.ERROR:
         raise AuthError(f"the KV listener refused: {msg.get('error')}")
-    if not hmac.compare_digest(_mac_str(msg, "mac"), mac(secret, "pdserve-kv-server-v1", theirs, nonce, engine_id)):
+    if not same(_mac_str(msg, "mac"), mac(secret, "pdserve-kv-server-v1", theirs, nonce, engine_id)):
         raise AuthError("the KV listener does not hold this deployment's secret")
 
 

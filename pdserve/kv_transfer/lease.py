@@ -9,10 +9,11 @@ A lease is keyed by a random token (auth.new_lease_id) that only the prefill res
 never the request id the worker's endpoints show; it is made for one decode worker (the engine
 id it proves on the KV channel) and one prompt (the hash of its token ids): only that worker may
 read or release it, and only for that prompt."""
-import hmac
 import threading
 import time
 from dataclasses import dataclass
+
+from pdserve.kv_transfer.auth import same
 
 
 class LeaseError(Exception):
@@ -51,7 +52,7 @@ class LeaseTable:
         """(Under the lock.) The lease of that id if it is live, LeaseError if it is another
         worker's (messages never name the token: they are logged)."""
         lease = self._leases.get(lease_id)
-        if lease is not None and not hmac.compare_digest(lease.decode_id, peer):
+        if lease is not None and not same(lease.decode_id, peer):
             raise LeaseError("the KV lease was made for another decode worker")
         return None if lease is None or lease.released else lease
 
@@ -64,7 +65,7 @@ class LeaseTable:
                 raise LeaseError("no such KV lease (never granted, released or freed)")
             if self.clock() >= lease.deadline:
                 raise LeaseError(f"the KV lease expired (--kv-lease-s {self.lease_s:g})")
-            if not hmac.compare_digest(lease.prompt_hash, prompt_hash):
+            if not same(lease.prompt_hash, prompt_hash):
                 raise LeaseError("the KV lease holds another prompt's K/V")
             lease.readers += 1
             return lease

@@ -170,3 +170,20 @@ def test_a_decode_request_aborted_before_its_pull_releases_the_lease(pair):
     wait_until(lambda: len(pre.connector.leases) == 0, step=pre)   # released, long before --kv-lease-s
     assert dec.get_stats().kv_transfers == 0
     pre.block_manager.check_all_free()
+
+
+def test_a_handshake_or_params_with_odd_characters_are_refused_not_crashed(pair, caplog):
+    """compare_digest raises TypeError on non-ASCII text: every comparison goes through bytes."""
+    pre, dec = pair(LONG_LEASE)
+    prompts = corpus_prompts(pre.tokenizer, [20])
+    params = prefill(pre, prompts, dec)[0]
+    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer"):
+        for engine_id, mac in (("é", "é"), ("\ud800", "\ud800")):
+            with socket.create_connection(("127.0.0.1", pre.connector.port), timeout=5) as s:
+                frames.recv_json(s, expect=(frames.HELLO,))
+                frames.send_json(s, frames.AUTH, {"engine_id": engine_id, "nonce": "n", "mac": mac})
+                assert "authentication failed" in frames.recv_json(s, expect=(frames.ERROR,))[1]["error"]
+    assert all(r.exc_info is None for r in caplog.records)
+    with pytest.raises(RequestError, match="signature"):
+        dec.add_request("x", prompts[0], greedy(NEW_TOKENS, **{**params, "signature": "é"}))
+    assert len(pre.connector.leases) == 1
