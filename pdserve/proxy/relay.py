@@ -139,6 +139,9 @@ class Proxy:
         self.prefill, self.decode, self.metrics = prefill, decode, metrics
         self.read_timeout, self.api_key = read_timeout, api_key
         self.kv_secret = kv_secret   # to release the leases of decode calls that did not go through
+        if kv_secret is None:
+            log.warning("no --kv-transfer-secret: the lease of a decode call that is refused or whose client "
+                        "leaves is freed only when the prefill worker's --kv-lease-s runs out")
         self.client: httpx.AsyncClient | None = None   # made on the serving event loop (app lifespan)
 
     def headers_for(self, client_headers) -> dict:
