@@ -19,6 +19,7 @@ import statistics
 import time
 
 PREFILL_ENGINE = dict(role="prefill", kv_transport="shm", enable_prefix_caching=True)
+DECODE_ID = "bench-decode"   # the decode engine's id on the KV channel: the leases are made for it
 
 
 def _cache_shape(model: str, num_blocks: int, block_size: int = 16) -> tuple:
@@ -30,14 +31,14 @@ def _cache_shape(model: str, num_blocks: int, block_size: int = 16) -> tuple:
 class _LeasedCache:
     """A prefill worker without a model: a shared-memory cache whose blocks it leases."""
 
-    def __init__(self, model: str, num_blocks: int, dtype: str):
+    def __init__(self, model: str, num_blocks: int, dtype: str, secret: str):
         import torch
         from pdserve.kv_transfer import KVLayout, shm, tcp
         from pdserve.kv_transfer.lease import LeaseTable
         path, cache = shm.shared_kv_cache(_cache_shape(model, num_blocks), getattr(torch, dtype))
         cache.normal_()
         self.leases, self.dtype = LeaseTable(60.0), dtype
-        self.server = tcp.KVServer("127.0.0.1", 0, self.leases, KVLayout(cache), 16, tcp.TransferStats(), path)
+        self.server = tcp.KVServer("127.0.0.1", 0, self.leases, KVLayout(cache), 16, tcp.TransferStats(), secret, path)
         self.num_blocks = num_blocks
 
     def kv_transfer_info(self) -> dict:
@@ -46,9 +47,10 @@ class _LeasedCache:
     def lease(self, rid: str, num_tokens: int) -> dict:
         holder = type("Holder", (), {})()
         holder.block_table = list(range(self.num_blocks // 2, self.num_blocks // 2 + -(-num_tokens // 16)))
-        self.leases.add(rid, holder, num_tokens)
+        self.leases.add(rid, holder, num_tokens, DECODE_ID, "cache-only")
         return {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": self.server.port,
-                "remote_request_id": rid, "num_tokens": num_tokens, "block_size": 16, "dtype": self.dtype}
+                "remote_request_id": rid, "num_tokens": num_tokens, "block_size": 16, "dtype": self.dtype,
+                "prompt_hash": "cache-only"}
 
     def close(self) -> None:
         self.server.close()
@@ -58,7 +60,8 @@ def _prefill_worker(conn, model: str, engine_kwargs: dict, cache_only: bool) -> 
     from pdserve.kv_transfer import KVTransferParams
     from pdserve.sampling_params import SamplingParams
     if cache_only:
-        engine = _LeasedCache(model, engine_kwargs["num_kv_blocks"], engine_kwargs["dtype"])
+        engine = _LeasedCache(model, engine_kwargs["num_kv_blocks"], engine_kwargs["dtype"],
+                              engine_kwargs["kv_transfer_secret"])
     else:
         from pdserve.engine.llm_engine import LLMEngine
         engine = LLMEngine(model, **engine_kwargs, **PREFILL_ENGINE)
@@ -78,7 +81,8 @@ def _prefill_worker(conn, model: str, engine_kwargs: dict, cache_only: bool) -> 
             conn.send(engine.lease(f"p{n}", len(prompt)))
             continue
         engine.add_request(f"p{n}", prompt, SamplingParams(max_tokens=1, temperature=0,
-                                                           kv_transfer_params=KVTransferParams(do_remote_decode=True)))
+                                                           kv_transfer_params=KVTransferParams(
+                                                               do_remote_decode=True, decode_engine_id=DECODE_ID)))
         params = None
         while params is None:
             for out in engine.step():
@@ -100,14 +104,14 @@ def _engine_pull(dec, k: int, prompt: list[int], params: dict) -> tuple[int, flo
     return stats.bytes - before[0], stats.seconds - before[1]
 
 
-def _cache_pull(layout, params: dict) -> tuple[int, float]:
+def _cache_pull(layout, params: dict, secret: str) -> tuple[int, float]:
     from pdserve.kv_transfer import tcp
     from pdserve.kv_transfer.layout import slot_runs
     n = params["num_tokens"] - 1
     runs = slot_runs(list(range(-(-n // 16))), 16, 0, n)
     t0 = time.perf_counter()
-    got = tcp.pull(params["remote_host"], params["remote_port"], params["remote_request_id"], 0, n, layout, runs,
-                   params["transport"])
+    peer = tcp.Peer(params["remote_host"], params["remote_port"], secret, DECODE_ID)
+    got = tcp.pull(peer, params["remote_request_id"], params["prompt_hash"], 0, n, layout, runs, params["transport"])
     return got, time.perf_counter() - t0
 
 
@@ -123,8 +127,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     blocks = -(-(args.prompt_len + 16) // 16) * 2
+    from pdserve.kv_transfer.auth import new_secret
     kwargs = dict(dtype=args.dtype, threads=args.threads, num_kv_blocks=blocks,
-                  max_num_batched_tokens=max(512, args.prompt_len))
+                  max_num_batched_tokens=max(512, args.prompt_len), kv_transfer_secret=new_secret())
     ctx = mp.get_context("spawn")   # (a fork would copy this process's threads' state)
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_prefill_worker, args=(child, args.model, kwargs, args.cache_only), daemon=True)
@@ -139,7 +144,7 @@ def main(argv=None):
             vocab = 1000
         else:
             from pdserve.engine.llm_engine import LLMEngine
-            dec = LLMEngine(args.model, role="decode", enable_prefix_caching=False, **kwargs)
+            dec = LLMEngine(args.model, role="decode", enable_prefix_caching=False, kv_engine_id=DECODE_ID, **kwargs)
             vocab = dec.model_config.vocab_size
         prompt = [(7919 + i * 104729) % vocab for i in range(args.prompt_len)]
         k = 0
@@ -149,7 +154,7 @@ def main(argv=None):
                 k += 1
                 parent.send(("prefill", prompt))
                 params = {**parent.recv(), "transport": transport}
-                size, seconds = _cache_pull(layout, params) if args.cache_only else _engine_pull(dec, k, prompt, params)
+                size, seconds = _cache_pull(layout, params, kwargs["kv_transfer_secret"]) if args.cache_only else _engine_pull(dec, k, prompt, params)
                 sizes.append(size)
                 times.append(seconds)
             ms = statistics.median(times) * 1e3

@@ -98,11 +98,11 @@ class ModelConfig:
         return float(self.raw.get("rms_norm_eps", 1e-6))
 
 
-def option(default, help: str, **argparse_kwargs):
+def option(default, help: str, repr: bool = True, **argparse_kwargs):
     """A config field that is also a command-line flag (--field-name), its help shown by --help:
     pdserve/engine/args.py generates the flags from these. `min` bounds an integer from below
-    (`note` is added to that error)."""
-    return field(default=default, metadata=dict(help=help, **argparse_kwargs))
+    (`note` is added to that error); repr=False keeps a secret out of the config's repr."""
+    return field(default=default, repr=repr, metadata=dict(help=help, **argparse_kwargs))
 
 
 @dataclass
@@ -177,6 +177,16 @@ class EngineConfig:
                                    "says which)", min=0, metavar="PORT")
     kv_lease_s: float = option(60.0, "prefill role: seconds a finished request's prompt blocks are kept for a decode "
                                "worker to pull before they are freed", metavar="SECONDS")
+    kv_transfer_secret: str | None = option(None, "prefill and decode roles: the deployment's secret, the same on "
+                                            "every worker, that authenticates the KV channel (default: the "
+                                            "PDSERVE_KV_TRANSFER_SECRET environment variable, which ps does not "
+                                            "show; serve --disaggregate and --ray make one)", repr=False,
+                                            metavar="SECRET")
+    kv_transfer_peers: str | None = option(None, "decode role: the only KV listeners (HOST:PORT,...) this worker "
+                                           "pulls from (default: any that signed params with the secret name)",
+                                           metavar="HOST:PORT,...")
+    kv_engine_id: str | None = option(None, "this worker's engine id on the KV channel, which leases are made for "
+                                      "(default: a random one; a Ray decode pool shares one)", metavar="ID")
     kv_load_failure_policy: str = option("recompute", "decode role: when pulling a prompt's KV fails, recompute the "
                                          "prompt here, or fail the request", choices=["recompute", "fail"])
 
@@ -213,6 +223,16 @@ class EngineConfig:
             raise ConfigError(f"kv_load_failure_policy must be recompute or fail, got {self.kv_load_failure_policy!r}")
         if not isinstance(self.kv_transfer_port, int) or not 0 <= self.kv_transfer_port < 65536:
             raise ConfigError(f"kv_transfer_port must be a TCP port (0: any free one), got {self.kv_transfer_port!r}")
+        from pdserve.kv_transfer.auth import parse_peers, secret_from
+        self.kv_transfer_secret = secret_from(self.kv_transfer_secret)
+        try:
+            parse_peers(self.kv_transfer_peers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.role != "both" and not self.kv_transfer_secret:
+            raise ConfigError(f"--role {self.role} needs the deployment's KV transfer secret, the same on every "
+                              "prefill and decode worker: set PDSERVE_KV_TRANSFER_SECRET (or --kv-transfer-secret), "
+                              "e.g. to the output of `python -c 'import secrets; print(secrets.token_hex(32))'`")
         if not 0 < self.kv_lease_s < float("inf"):
             raise ConfigError(f"kv_lease_s must be a number of seconds > 0, got {self.kv_lease_s!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):

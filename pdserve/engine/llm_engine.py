@@ -99,6 +99,8 @@ class LLMEngine:
             self._check_kv_transfer(seq, kv)
         why = self.scheduler.policy.refuse(seq, self.scheduler, time.perf_counter())
         if why is not None:
+            if seq.kv_transfer is not None:   # refused here: the prefill worker need not keep its KV
+                self.connector.discard(seq)
             raise SLOUnattainable(why)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -108,6 +110,10 @@ class LLMEngine:
         if kv.do_remote_decode and role != "prefill":
             raise RequestError(f"kv_transfer_params.do_remote_decode needs a --role prefill worker; this one is "
                                f"--role {role}", param="kv_transfer_params.do_remote_decode")
+        if kv.do_remote_decode and not kv.decode_engine_id:   # the lease is for that decode worker only
+            raise RequestError("kv_transfer_params.do_remote_decode needs decode_engine_id, the engine id of the "
+                               "decode worker that will pull the KV (its GET /v1/kv_transfer says it)",
+                               param="kv_transfer_params.decode_engine_id")
         if not kv.do_remote_prefill:
             return
         if role != "decode":
@@ -122,6 +128,7 @@ class LLMEngine:
             raise RequestError(f"kv_transfer_params.num_tokens {kv.num_tokens} does not match the prompt's "
                                f"{seq.num_prompt_tokens} tokens here (not the prefill worker's prompt)",
                                param="kv_transfer_params.num_tokens")
+        self.connector.check_params(kv, seq.prompt_token_ids)
         seq.kv_transfer = kv
 
     def wake(self) -> None:
@@ -232,7 +239,7 @@ class LLMEngine:
                 kept = self.connector.request_finished(seq) if self.connector is not None else None
                 self.scheduler.finish(seq, seq.finish_reason, free_blocks=kept is None)   # in this step
                 if kept is not None:   # a prefill worker's: leased to a decode worker
-                    self.connector.save_kv(seq)
+                    self.connector.save_kv(seq, kept)
                 out = self._finish(seq, token)
                 out.kv_transfer_params = kept
                 outputs.append(out)

@@ -252,11 +252,14 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
         """Remove a sequence for good (finished or aborted) and free its blocks (free_blocks=False:
         the caller keeps them). A sequence still loading keeps them until its pull has ended
-        (the connector's result says when): the pull may be writing into them."""
+        (the connector's result says when): the pull may be writing into them; one still waiting
+        for its pull has the connector release the remote lease."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            if seq.kv_transfer is not None:   # its pull never started: the remote lease is still held
+                self.connector.discard(seq)
         elif seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
             del self.loading[seq.request_id]
             self.connector.cancel(seq)

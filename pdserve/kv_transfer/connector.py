@@ -9,7 +9,10 @@ ended since the last step.
 
 PDConnector is the one implementation: a prefill worker leases blocks and serves them from its
 KV listener (tcp.py); a decode worker pulls them on background threads, so the engine's steps
-go on while bytes move, and only checks in each step which pulls have ended."""
+go on while bytes move, and only checks in each step which pulls have ended. Both hold the
+deployment's secret (auth.py): the listener serves only peers that prove it, the prefill worker
+signs the kv_transfer_params it returns, and the decode worker takes only signed params for its
+own engine id and its own prompt (check_params), so a client cannot point it anywhere else."""
 import logging
 import socket
 import threading
@@ -18,7 +21,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pdserve.kv_transfer import tcp
+from pdserve.errors import RequestError
+from pdserve.kv_transfer import auth, tcp
 from pdserve.kv_transfer.layout import KVLayout, slot_runs
 from pdserve.kv_transfer.lease import LeaseTable
 
@@ -51,8 +55,8 @@ class KVConnectorBase:
     def wait_for_load(self, timeout: float) -> None:
         """Block until a load ends or a kept request's blocks may be freed, at most timeout seconds."""
 
-    def save_kv(self, seq) -> None:
-        """Keep seq's blocks for a remote worker (request_finished said so)."""
+    def save_kv(self, seq, params: dict) -> None:
+        """Keep seq's blocks for a remote worker (request_finished said so, with these params)."""
 
     def get_finished(self) -> tuple[list["LoadResult"], list]:
         """(loads that ended since the last call, kept requests whose blocks are to be freed now)."""
@@ -63,6 +67,10 @@ class KVConnectorBase:
 
     def cancel(self, seq) -> None:
         """seq was aborted while loading: stop its load (it still ends in get_finished)."""
+
+    def discard(self, seq) -> None:
+        """seq ended before its load was noted (aborted or failed while waiting): let the remote
+        worker free what it keeps for it."""
 
     def has_pending(self) -> bool:
         return False
@@ -92,18 +100,20 @@ class _Load:
 
 
 class PDConnector(KVConnectorBase):
-    def __init__(self, role: str, layout: KVLayout, block_size: int, dtype: str, *, host: str = "127.0.0.1",
-                 port: int = 0, transport: str = "tcp", lease_s: float = 60.0, pull_threads: int = 2,
-                 cache_file: str | None = None):
+    def __init__(self, role: str, layout: KVLayout, block_size: int, dtype: str, *, secret: str,
+                 host: str = "127.0.0.1", port: int = 0, transport: str = "tcp", lease_s: float = 60.0,
+                 pull_threads: int = 2, cache_file: str | None = None, engine_id: str | None = None,
+                 peers: set[tuple[str, int]] | None = None):
         self.role, self.layout, self.block_size, self.dtype, self.transport = role, layout, block_size, dtype, transport
-        self.engine_id = uuid.uuid4().hex
+        self.secret, self.peers = secret, peers
+        self.engine_id = engine_id or uuid.uuid4().hex
         self.stats = tcp.TransferStats()
         self.leases: LeaseTable | None = None
         self.server: tcp.KVServer | None = None
         self.host = host if host not in WILDCARD_HOSTS else socket.gethostbyname(socket.gethostname())
         if role == "prefill":
             self.leases = LeaseTable(lease_s)
-            self.server = tcp.KVServer(host, port, self.leases, layout, block_size, self.stats, cache_file)
+            self.server = tcp.KVServer(host, port, self.leases, layout, block_size, self.stats, secret, cache_file)
             log.info("KV listener on %s:%d (%s transport), leases of %g s", host, self.server.port, transport, lease_s)
         self._pool = ThreadPoolExecutor(pull_threads, thread_name_prefix="pdserve-kv-pull") if role == "decode" else None
         self._pending: list[_Load] = []
@@ -120,6 +130,26 @@ class PDConnector(KVConnectorBase):
         return {"role": self.role, "engine_id": self.engine_id, "block_size": self.block_size, "dtype": self.dtype,
                 "transport": self.transport, "kv_host": self.host if self.server else None, "kv_port": self.port}
 
+    def check_params(self, p, prompt_token_ids: list[int]) -> None:
+        """A decode worker's check of a request's do_remote_prefill params before it takes them:
+        issued (signed) by a prefill worker of this deployment, for this worker and this prompt,
+        from an allowed listener. RequestError (400) otherwise: no connection is made."""
+        def bad(name, why):
+            raise RequestError(f"kv_transfer_params.{name} {why}", param=f"kv_transfer_params.{name}")
+
+        if not auth.signed(self.secret, p.signed_fields() | {"signature": p.signature}):
+            bad("signature", "is not a prefill worker's of this deployment (the params were changed, or the "
+                             "workers have different --kv-transfer-secret)")
+        if p.decode_engine_id != self.engine_id:
+            bad("decode_engine_id", f"names another decode worker than this one ({self.engine_id})")
+        if p.prompt_hash != auth.prompt_hash(prompt_token_ids):
+            bad("prompt_hash", "is another prompt's: the lease holds the K/V of other tokens than this request's")
+        if self.peers is not None and (p.remote_host, p.remote_port) not in self.peers:
+            bad("remote_host", f"{p.remote_host}:{p.remote_port} is not one of this worker's --kv-transfer-peers")
+
+    def _peer(self, p) -> tcp.Peer:
+        return tcp.Peer(p.remote_host, p.remote_port, self.secret, self.engine_id)
+
     # ---- scheduler side
 
     def get_num_new_matched_tokens(self, seq, num_computed_tokens):
@@ -128,10 +158,17 @@ class PDConnector(KVConnectorBase):
             return 0
         end = seq.num_prompt_tokens - 1   # the last prompt token is computed here, for its logits
         if end <= num_computed_tokens:     # all of it is cached here already: only the lease to free
-            seq.kv_transfer = None
-            self._pool.submit(tcp.release, p.remote_host, p.remote_port, p.remote_request_id)
+            self.discard(seq)
             return 0
         return end - num_computed_tokens
+
+    def discard(self, seq):
+        p, seq.kv_transfer = seq.kv_transfer, None
+        if p is not None and self._pool is not None:
+            try:
+                self._pool.submit(tcp.release, self._peer(p), p.remote_request_id)
+            except RuntimeError:   # closing: the lease expires on the prefill worker
+                pass
 
     def update_state_after_alloc(self, seq, num_external_tokens):
         start = seq.num_computed_tokens
@@ -144,10 +181,12 @@ class PDConnector(KVConnectorBase):
         p = seq.params.kv_transfer_params
         if self.leases is None or p is None or not p.do_remote_decode or seq.finish_reason not in ("stop", "length"):
             return None
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-                "remote_host": self.host, "remote_port": self.port, "remote_request_id": seq.request_id,
-                "num_tokens": seq.num_prompt_tokens, "transport": self.transport, "block_size": self.block_size,
-                "dtype": self.dtype}
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                  "remote_host": self.host, "remote_port": self.port, "remote_request_id": auth.new_lease_id(),
+                  "num_tokens": seq.num_prompt_tokens, "transport": self.transport, "block_size": self.block_size,
+                  "dtype": self.dtype, "decode_engine_id": p.decode_engine_id,
+                  "prompt_hash": auth.prompt_hash(seq.prompt_token_ids)}
+        return {**params, "signature": auth.sign(self.secret, params)}
 
     # ---- worker side
 
@@ -160,7 +199,7 @@ class PDConnector(KVConnectorBase):
     def _pull(self, load: _Load) -> None:
         p, error, t0 = load.params, None, time.perf_counter()
         try:
-            nbytes = tcp.pull(p.remote_host, p.remote_port, p.remote_request_id, load.start, load.end, self.layout,
+            nbytes = tcp.pull(self._peer(p), p.remote_request_id, p.prompt_hash, load.start, load.end, self.layout,
                               load.runs, p.transport, load)
             self.stats.add(nbytes, time.perf_counter() - t0)
         except tcp.PullError as e:
@@ -183,8 +222,9 @@ class PDConnector(KVConnectorBase):
     def wake(self):
         self._event.set()
 
-    def save_kv(self, seq):
-        self.leases.add(seq.request_id, seq, seq.num_computed_tokens)
+    def save_kv(self, seq, params):
+        self.leases.add(params["remote_request_id"], seq, seq.num_computed_tokens, params["decode_engine_id"],
+                        params["prompt_hash"])
 
     def get_finished(self):
         freed = self.leases.collect() if self.leases is not None else []

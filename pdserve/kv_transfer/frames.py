@@ -13,10 +13,11 @@ import struct
 from crc32c import crc32c
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2   # 2: connections start with the handshake of auth.py
 HEADER = struct.Struct("!4sBBHIQI")   # magic, version, kind, reserved, layer, payload bytes, crc32
-PULL, RELEASE, LAYER, DONE, ERROR, SHM_READY = range(1, 7)
-KINDS = {PULL: "PULL", RELEASE: "RELEASE", LAYER: "LAYER", DONE: "DONE", ERROR: "ERROR", SHM_READY: "SHM_READY"}
+PULL, RELEASE, LAYER, DONE, ERROR, SHM_READY, HELLO, AUTH, AUTH_OK = range(1, 10)
+KINDS = {PULL: "PULL", RELEASE: "RELEASE", LAYER: "LAYER", DONE: "DONE", ERROR: "ERROR", SHM_READY: "SHM_READY",
+         HELLO: "HELLO", AUTH: "AUTH", AUTH_OK: "AUTH_OK"}
 MAX_CONTROL_BYTES = 1 << 16
 IOV_MAX = 1024   # buffers per sendmsg call (Linux's limit)
 

@@ -1,11 +1,15 @@
 """kv_transfer_params: what a request tells the engine about a remote KV cache (vLLM's field).
 
-To a prefill worker: {"do_remote_decode": true}: keep the prompt's blocks for a decode worker.
+To a prefill worker: {"do_remote_decode": true, "decode_engine_id": ID}: keep the prompt's blocks
+for the decode worker of that engine id (its GET /v1/kv_transfer says it).
 To a decode worker: what the prefill worker's response returned: pull the first num_tokens - 1
-prompt tokens' K/V from remote_host:remote_port (the KV listener), request remote_request_id."""
+prompt tokens' K/V from remote_host:remote_port (the KV listener), lease remote_request_id (a
+random token, not the prefill request's id), made for decode_engine_id and the prompt of
+prompt_hash, all signed by the prefill worker with the deployment's secret (auth.py)."""
 from dataclasses import dataclass
 
 from pdserve.errors import RequestError
+from pdserve.kv_transfer import auth
 
 TRANSPORTS = ("tcp", "shm")
 
@@ -22,6 +26,9 @@ class KVTransferParams:
     transport: str = "tcp"
     block_size: int | None = None
     dtype: str | None = None
+    decode_engine_id: str | None = None
+    prompt_hash: str | None = None
+    signature: str | None = None
 
     def __post_init__(self):
         def bad(name, why):
@@ -33,7 +40,7 @@ class KVTransferParams:
             bad("transport", f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if not self.do_remote_prefill:
             return
-        for name in ("remote_host", "remote_request_id"):
+        for name in ("remote_host", "remote_request_id", "prompt_hash", "signature"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 bad(name, "must be a non-empty string with do_remote_prefill")
         if not isinstance(self.remote_port, int) or not 0 < self.remote_port < 65536:
@@ -42,6 +49,9 @@ class KVTransferParams:
             bad("num_tokens", f"must be an integer >= 1 with do_remote_prefill, got {self.num_tokens!r}")
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
             bad("block_size", f"must be an integer >= 1, got {self.block_size!r}")
+
+    def signed_fields(self) -> dict:
+        return {k: getattr(self, k) for k in auth.SIGNED}
 
     @property
     def active(self) -> bool:

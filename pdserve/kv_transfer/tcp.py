@@ -1,16 +1,19 @@
 """The prefill worker's KV listener (--kv-transfer-port) and the decode worker's side of a pull.
 
-One connection per pull: the decode worker sends PULL {request_id, start, end, transport};
-the prefill worker answers one LAYER frame per layer (tcp) or SHM_READY {path, bytes} (shm),
-then DONE, or ERROR {error}; the decode worker then sends RELEASE and gets DONE. A RELEASE may
-also come alone (an abort before any pull). Each connection is served on its own thread."""
+One connection per pull: first the handshake of auth.py (the decode worker proves its engine id
+with the deployment's secret; a peer that fails it gets ERROR and is dropped); then the decode
+worker sends PULL {request_id (the lease's token), start, end, transport, prompt_hash}; the
+prefill worker answers one LAYER frame per layer (tcp) or SHM_READY {path, bytes} (shm), then
+DONE, or ERROR {error}; the decode worker then sends RELEASE and gets DONE. A RELEASE may also
+come alone (an abort before any pull). Each connection is served on its own thread. Nothing here
+logs a lease's token."""
 import logging
 import socket
 import socketserver
 import threading
 import time
 
-from pdserve.kv_transfer import frames, shm
+from pdserve.kv_transfer import auth, frames, shm
 from pdserve.kv_transfer.layout import KVLayout, slot_runs
 from pdserve.kv_transfer.lease import LeaseError, LeaseTable
 
@@ -43,8 +46,9 @@ class KVServer:
     """The listener: serves pulls of leased blocks from `layout`."""
 
     def __init__(self, host: str, port: int, leases: LeaseTable, layout: KVLayout, block_size: int,
-                 stats: TransferStats, cache_file: str | None = None):
+                 stats: TransferStats, secret: str, cache_file: str | None = None):
         self.leases, self.layout, self.block_size, self.stats = leases, layout, block_size, stats
+        self.secret = secret
         self.cache_file = cache_file   # the shared-memory file the cache lives in (--kv-transport shm)
         server = self
 
@@ -67,9 +71,16 @@ class KVServer:
         self._server.server_close()
 
     def serve_connection(self, conn: socket.socket) -> None:
-        conn.settimeout(IO_TIMEOUT_S)
+        conn.settimeout(auth.HANDSHAKE_TIMEOUT_S)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            try:
+                peer = auth.accept(conn, self.secret)
+            except auth.AuthError as e:   # one line, no traceback: anyone on the network can knock
+                log.warning("KV listener: refused a connection from %s: %s", _address(conn), e)
+                _try_send_error(conn, str(e))
+                return
+            conn.settimeout(IO_TIMEOUT_S)
             while True:
                 try:
                     kind, msg = frames.recv_json(conn, expect=(frames.PULL, frames.RELEASE))
@@ -78,24 +89,28 @@ class KVServer:
                         log.warning("KV listener: refused a frame: %s", e)
                         _try_send_error(conn, str(e))
                     return
-                rid = msg.get("request_id")
-                if not isinstance(rid, str):
+                lease_id = msg.get("request_id")
+                if not isinstance(lease_id, str):
                     frames.send_json(conn, frames.ERROR, {"error": "request_id must be a string"})
                     return
                 if kind == frames.RELEASE:
-                    self.leases.release(rid)
+                    try:
+                        self.leases.release(lease_id, peer)
+                    except LeaseError as e:   # another worker's lease stays
+                        frames.send_json(conn, frames.ERROR, {"error": str(e)})
+                        return
                     frames.send_json(conn, frames.DONE, {})
                 else:
-                    self._serve_pull(conn, rid, msg)
+                    self._serve_pull(conn, lease_id, peer, msg)
         except OSError as e:   # the decode worker went away: its lease expires if it never releases
             log.warning("KV listener: connection failed: %s", e)
         finally:
             conn.close()
 
-    def _serve_pull(self, conn: socket.socket, rid: str, msg: dict) -> None:
+    def _serve_pull(self, conn: socket.socket, lease_id: str, peer: str, msg: dict) -> None:
         t0 = time.perf_counter()
         try:
-            lease = self.leases.acquire(rid)
+            lease = self.leases.acquire(lease_id, peer, str(msg.get("prompt_hash")))
         except LeaseError as e:
             frames.send_json(conn, frames.ERROR, {"error": str(e)})
             return
@@ -123,9 +138,16 @@ class KVServer:
             self.stats.add(sent, time.perf_counter() - t0)
         except (OSError, frames.FrameError) as e:   # ends the connection (serve_connection logs it)
             self.stats.add(0, 0.0, ok=False)
-            raise OSError(f"pull of {rid} failed: {e}") from None
+            raise OSError(f"a pull failed: {e}") from None
         finally:
             self.leases.finish_read(lease)
+
+
+def _address(conn) -> str:
+    try:
+        return "%s:%s" % conn.getpeername()[:2]
+    except OSError:
+        return "a peer gone"
 
 
 def _try_send_error(conn, why: str) -> None:
@@ -142,35 +164,57 @@ class PullError(Exception):
 REMOTE_CACHES = shm.RemoteCaches()
 
 
-def pull(host: str, port: int, request_id: str, start: int, end: int, layout: KVLayout, runs, transport: str,
+class Peer:
+    """Where a decode worker pulls from, and who it is there: the listener's address, the
+    deployment's secret, this worker's engine id (the lease must have been made for it)."""
+
+    def __init__(self, host: str, port: int, secret: str, engine_id: str):
+        self.host, self.port, self.secret, self.engine_id = host, port, secret, engine_id
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def connect(self, timeout: float = IO_TIMEOUT_S) -> socket.socket:
+        """An authenticated connection (OSError, frames.FrameError or auth.AuthError if not)."""
+        conn = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT_S)
+        try:
+            conn.settimeout(timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            auth.connect(conn, self.secret, self.engine_id)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+
+def pull(peer: Peer, lease_id: str, prompt_hash: str, start: int, end: int, layout: KVLayout, runs, transport: str,
          handle=None) -> int:
-    """Fetch positions [start, end) of the remote request into `runs` of this worker's cache and
+    """Fetch positions [start, end) of the remote lease into `runs` of this worker's cache and
     release the lease; the bytes received. PullError on any failure (the lease is then released
     if the prefill worker can still be reached). `handle` (optional) has `cancelled`, an Event
     checked between layers, and gets `conn`, the socket, which cancel() shuts down to stop a
     pull waiting for bytes."""
     cancelled = handle.cancelled if handle is not None else None
     try:
-        conn = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
-    except OSError as e:
-        raise PullError(f"cannot reach the prefill worker's KV listener at {host}:{port}: {e}") from None
+        conn = peer.connect()
+    except (OSError, frames.FrameError, auth.AuthError) as e:
+        raise PullError(f"cannot reach the prefill worker's KV listener at {peer}: {e}") from None
     if handle is not None:
         handle.conn = conn
     with conn:
-        conn.settimeout(IO_TIMEOUT_S)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            got = _pull_on(conn, request_id, start, end, layout, runs, transport, cancelled)
-            _release_on(conn, request_id)
+            got = _pull_on(conn, lease_id, prompt_hash, start, end, layout, runs, transport, cancelled)
+            _release_on(conn, lease_id)
             return got
         except (OSError, frames.FrameError, ValueError, InterruptedError) as e:
             failure = "the request was aborted" if cancelled is not None and cancelled.is_set() else e
-    release(host, port, request_id)   # on a fresh connection: this one may be mid-frame
+    release(peer, lease_id)   # on a fresh connection: this one may be mid-frame
     raise PullError(str(failure)) from None
 
 
-def _pull_on(conn, request_id, start, end, layout, runs, transport, cancelled) -> int:
-    frames.send_json(conn, frames.PULL, {"request_id": request_id, "start": start, "end": end, "transport": transport})
+def _pull_on(conn, lease_id, prompt_hash, start, end, layout, runs, transport, cancelled) -> int:
+    frames.send_json(conn, frames.PULL, {"request_id": lease_id, "start": start, "end": end, "transport": transport,
+                                         "prompt_hash": prompt_hash})
     size = layout.layer_bytes(runs)
     if transport == "shm":
         kind, msg = frames.recv_json(conn, expect=(frames.SHM_READY, frames.ERROR))
@@ -199,18 +243,19 @@ def _pull_on(conn, request_id, start, end, layout, runs, transport, cancelled) -
     return got
 
 
-def _release_on(conn, request_id: str) -> None:
-    frames.send_json(conn, frames.RELEASE, {"request_id": request_id})
-    frames.recv_json(conn, expect=(frames.DONE,))
+def _release_on(conn, lease_id: str) -> None:
+    frames.send_json(conn, frames.RELEASE, {"request_id": lease_id})
+    kind, msg = frames.recv_json(conn, expect=(frames.DONE, frames.ERROR))
+    if kind == frames.ERROR:
+        raise ValueError(f"the prefill worker refused: {msg.get('error')}")
 
 
-def release(host: str, port: int, request_id: str) -> bool:
+def release(peer: Peer, lease_id: str) -> bool:
     """Tell the prefill worker to free the lease (best effort: False if it cannot be reached)."""
     try:
-        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as conn:
-            conn.settimeout(CONNECT_TIMEOUT_S)
-            _release_on(conn, request_id)
+        with peer.connect(CONNECT_TIMEOUT_S) as conn:
+            _release_on(conn, lease_id)
         return True
-    except (OSError, frames.FrameError) as e:
-        log.warning("could not release the KV lease of %s at %s:%d: %s", request_id, host, port, e)
+    except (OSError, frames.FrameError, auth.AuthError, ValueError) as e:
+        log.warning("could not release a KV lease at %s: %s", peer, e)
         return False

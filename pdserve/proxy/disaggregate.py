@@ -7,6 +7,10 @@ The workers get every other `pdserve serve` flag given (a --step-log FILE become
 the workers get SIGTERM (SIGKILL if they outlast their --shutdown-timeout); if a worker dies, the
 others are stopped and the command exits 1. A worker also gets SIGTERM from the kernel if this
 process dies (PR_SET_PDEATHSIG), so none is left behind.
+
+The KV channel's secret (--kv-transfer-secret, else a new random one) goes to the workers in
+their environment, never on their command lines (which `ps` shows to every user); the decode
+worker pulls only from the prefill worker's listener (--kv-transfer-peers).
 """
 import argparse
 import ctypes
@@ -18,10 +22,13 @@ import threading
 import time
 
 from pdserve.errors import ConfigError
+from pdserve.kv_transfer import auth
+from pdserve.kv_transfer.connector import WILDCARD_HOSTS
 from pdserve.proxy.cores import format_cores, parse_cores, split_cores
 
 # serve flags the launcher sets per worker rather than passing on
-OWN = {"disaggregate", "prefill_cores", "decode_cores", "host", "port", "threads", "step_log", "role", "model_dir"}
+OWN = {"disaggregate", "prefill_cores", "decode_cores", "host", "port", "threads", "step_log", "role", "model_dir",
+       "kv_transfer_secret", "kv_transfer_port", "kv_transfer_peers", "kv_engine_id"}
 READY_TIMEOUT_S = 900.0   # a worker loading a large checkpoint on a busy machine
 PR_SET_PDEATHSIG = 1
 
@@ -83,8 +90,8 @@ def _pin(cores: list[int]):
 
 
 class WorkerProcess:
-    def __init__(self, role: str, cores: list[int], port: int, flags: list[str]):
-        self.role, self.cores, self.port = role, cores, port
+    def __init__(self, role: str, cores: list[int], port: int, flags: list[str], env: dict | None = None):
+        self.role, self.cores, self.port, self.env = role, cores, port, env or {}
         self.url = f"http://127.0.0.1:{port}"
         self.cmd = [sys.executable, "-m", "pdserve", "serve", *flags, "--role", role, "--host", "127.0.0.1",
                     "--port", str(port), "--threads", str(len(cores))]
@@ -94,7 +101,8 @@ class WorkerProcess:
     def start(self) -> None:
         # its own session: a Ctrl-C in the terminal reaches the launcher, which stops it in order
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_pin(self.cores))
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_pin(self.cores),
+                                     env={**os.environ, **self.env})
         threading.Thread(target=self._copy_output, daemon=True).start()
 
     def _copy_output(self) -> None:
@@ -149,7 +157,16 @@ def proxy_args(args: argparse.Namespace, prefill: WorkerProcess, decode: WorkerP
     return argparse.Namespace(prefill=[prefill.url], decode=[decode.url], routing="round-robin", connect_timeout=5.0,
                               read_timeout=300.0, host=args.host, port=args.port, allowed_hosts=args.allowed_hosts,
                               api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                              max_connections=args.max_connections, log_level=args.log_level)
+                              max_connections=args.max_connections, log_level=args.log_level,
+                              kv_transfer_secret=prefill.env[auth.ENV])
+
+
+def kv_flags(args: argparse.Namespace, kv_port: int) -> tuple[list[str], list[str]]:
+    """The prefill and the decode worker's KV channel flags: the listener's port, and the decode
+    worker's one peer (unless the listener binds every interface: then the signed params decide)."""
+    host = args.kv_transfer_host
+    peers = [] if host in WILDCARD_HOSTS else ["--kv-transfer-peers", f"{host}:{kv_port}"]
+    return ["--kv-transfer-port", str(kv_port)], peers
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,8 +184,12 @@ def run(args: argparse.Namespace) -> int:
     prefill_cores, decode_cores = split_cores(args.prefill_cores, args.decode_cores, os.sched_getaffinity(0))
     sock = bind(args.host, args.port)   # the public port first: a taken one is reported before anything starts
     flags = worker_flags(args)
-    prefill = WorkerProcess("prefill", prefill_cores, free_port(), flags + step_log_for(args.step_log, "prefill"))
-    decode = WorkerProcess("decode", decode_cores, free_port(), flags + step_log_for(args.step_log, "decode"))
+    env = {auth.ENV: auth.secret_from(args.kv_transfer_secret) or auth.new_secret()}   # not in `ps`
+    prefill_kv, decode_kv = kv_flags(args, args.kv_transfer_port or free_port())
+    prefill = WorkerProcess("prefill", prefill_cores, free_port(), flags + prefill_kv + step_log_for(args.step_log,
+                            "prefill"), env)
+    decode = WorkerProcess("decode", decode_cores, free_port(), flags + decode_kv + step_log_for(args.step_log,
+                           "decode"), env)
     workers = [prefill, decode]
     stopping = threading.Event()
     # until uvicorn takes over: a signal stops the start; after it, uvicorn re-raises the signal

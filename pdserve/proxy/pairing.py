@@ -61,4 +61,6 @@ def check_described(workers: list[Worker], info: dict[str, dict]) -> Pairing:
             if info[w.url][key] != info[first.url][key]:
                 raise ConfigError(f"the workers disagree on {key}: {first} has {info[first.url][key]!r}, "
                                   f"{w} has {info[w.url][key]!r}")
+    for w in workers:   # a lease is made for one decode worker, by this id
+        w.engine_id = info[w.url].get("engine_id")
     return Pairing(*(info[first.url][k] for k in MUST_AGREE), info=info)

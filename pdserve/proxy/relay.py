@@ -8,7 +8,14 @@ its answer a 502, each in OpenAI's error format; a stream that is already under 
 error event and `[DONE]`, as pdserve's own streams end on an error. A client that leaves cancels
 the call in progress: the worker sees its connection close and aborts the request (a decode
 worker then releases the prefill worker's lease).
+
+The decode worker is chosen before the prefill call, which makes the lease for it alone
+(`decode_engine_id`). Once the prefill worker has answered, the lease is this proxy's to end
+until the decode worker has accepted the call: if the decode call is refused, fails, or its
+client leaves first, the proxy releases the lease itself on the KV channel (with the
+deployment's secret, --kv-transfer-secret), so it is freed at once, not after --kv-lease-s.
 """
+import asyncio
 import json
 import logging
 import time
@@ -16,6 +23,7 @@ import time
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from pdserve.kv_transfer import auth, tcp
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.routing import Router, Worker
 from pdserve.server.errors import APIError, error_body, error_response
@@ -67,11 +75,13 @@ def failure(worker: Worker, e: httpx.HTTPError, read_timeout: float) -> WorkerFa
     return WorkerFailure(502, "worker_failed", f"{worker} broke off its answer: {detail}", "broken")
 
 
-def prefill_body(body: dict, chat: bool) -> dict:
+def prefill_body(body: dict, chat: bool, decode_engine_id: str) -> dict:
     """The prefill worker's request (the contract's step 2): one token, not streamed, one choice,
-    the KV kept for a decode worker. min_tokens and stream_options would contradict that."""
+    the KV kept for the decode worker of that engine id. min_tokens and stream_options would
+    contradict that."""
     b = {k: v for k, v in body.items() if k not in ("min_tokens", "stream_options")}
-    b.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+    b.update(max_tokens=1, stream=False, n=1,
+             kv_transfer_params={"do_remote_decode": True, "decode_engine_id": decode_engine_id})
     if chat and "max_completion_tokens" in body:
         b["max_completion_tokens"] = 1
     return b
@@ -89,12 +99,28 @@ def kv_params(content: bytes, worker) -> dict:
     return params
 
 
-async def prefill_then_decode(path: str, body: dict, prefill, decode):
+async def prefill_then_decode(path: str, body: dict, prefill, decode, decode_engine_id: str, secret: str | None):
     """One request's two calls, however the workers are reached (this proxy over HTTP, the Ray
     ingress over Serve handles). `prefill(body)` returns (a prefill worker's 200 answer, the
-    worker) or raises Refused / WorkerFailure; `decode(body)` returns the client's response."""
-    content, worker = await prefill(prefill_body(body, path.endswith("/chat/completions")))
-    return await decode({**body, "kv_transfer_params": kv_params(content, worker)})
+    worker) or raises Refused / WorkerFailure; `decode(body)`, a call to the decode worker of
+    decode_engine_id, returns the client's response. If it does not (refused, failed, or
+    cancelled: the client left), the lease is released here (with the secret)."""
+    content, worker = await prefill(prefill_body(body, path.endswith("/chat/completions"), decode_engine_id))
+    params = kv_params(content, worker)
+    try:
+        return await decode({**body, "kv_transfer_params": params})
+    except BaseException:
+        release_lease(params, secret)
+        raise
+
+
+def release_lease(params: dict, secret: str | None) -> None:
+    """End the lease of a prefill worker's params now, in the background, as the decode worker
+    it was made for (a lease already taken and released: nothing happens)."""
+    if secret is None or not auth.signed(secret, params):   # nothing to prove ourselves with, or not a lease
+        return
+    peer = tcp.Peer(params["remote_host"], params["remote_port"], secret, params["decode_engine_id"])
+    asyncio.get_running_loop().run_in_executor(None, tcp.release, peer, params["remote_request_id"])
 
 
 def _is_token_event(event: bytes) -> bool:
@@ -109,9 +135,13 @@ def _is_token_event(event: bytes) -> bool:
 
 class Proxy:
     def __init__(self, prefill: Router, decode: Router, metrics: ProxyMetrics, read_timeout: float,
-                 api_key: str | None = None):
+                 api_key: str | None = None, kv_secret: str | None = None):
         self.prefill, self.decode, self.metrics = prefill, decode, metrics
         self.read_timeout, self.api_key = read_timeout, api_key
+        self.kv_secret = kv_secret   # to release the leases of decode calls that did not go through
+        if kv_secret is None:
+            log.warning("no --kv-transfer-secret: the lease of a decode call that is refused or whose client "
+                        "leaves is freed only when the prefill worker's --kv-lease-s runs out")
         self.client: httpx.AsyncClient | None = None   # made on the serving event loop (app lifespan)
 
     def headers_for(self, client_headers) -> dict:
@@ -144,19 +174,23 @@ class Proxy:
             return r.content, worker
         return call
 
+    async def _two_calls(self, path: str, body: dict, headers: dict, decode) -> Response:
+        """prefill_then_decode with the decode worker chosen first: decode(worker, body)."""
+        worker = self.decode.choose()
+        return await prefill_then_decode(path, body, self._prefill(path, headers), lambda b: decode(worker, b),
+                                         worker.engine_id, self.kv_secret)
+
     async def complete(self, path: str, body: dict, headers: dict, arrival: float) -> Response:
-        async def decode(body: dict) -> Response:
-            worker = self.decode.choose()
+        async def decode(worker: Worker, body: dict) -> Response:
             with self.decode.busy(worker):
                 r = await self._post(worker, path, body, headers)
             if r.status_code != 200:
                 raise Refused.of(r)
             return Response(r.content, status_code=200, media_type=r.headers.get("content-type", "application/json"))
-        return await prefill_then_decode(path, body, self._prefill(path, headers), decode)
+        return await self._two_calls(path, body, headers, decode)
 
     async def stream(self, path: str, body: dict, headers: dict, arrival: float, endpoint: str) -> Response:
-        async def decode(body: dict) -> Response:
-            worker = self.decode.choose()
+        async def decode(worker: Worker, body: dict) -> Response:
             worker.in_flight += 1
             t0 = time.perf_counter()
             try:
@@ -178,7 +212,7 @@ class Proxy:
                     worker.in_flight -= 1
                 raise Refused.of(upstream)
             return RelayedStream(self, worker, upstream, endpoint, arrival, t0)
-        return await prefill_then_decode(path, body, self._prefill(path, headers), decode)
+        return await self._two_calls(path, body, headers, decode)
 
     async def answer(self, endpoint: str, work, arrival: float) -> Response:
         """The response of `work` (complete or stream), with refusals and failures turned into

@@ -26,6 +26,7 @@ class Worker:
     def __init__(self, url: str, role: str):
         self.url, self.role = url, role
         self.in_flight = 0   # requests this proxy has sent it that have not finished
+        self.engine_id: str | None = None   # its id on the KV channel (set by the pairing check)
 
     def __repr__(self) -> str:
         return f"{self.role} worker {self.url}"

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+import uuid
 
 import ray
 from ray import serve
@@ -13,6 +14,7 @@ from ray.serve.config import RequestRouterConfig
 
 from pdserve.engine.args import engine_kwargs
 from pdserve.errors import ConfigError
+from pdserve.kv_transfer import auth
 from pdserve.proxy.pairing import check_described
 from pdserve.proxy.routing import Worker
 from pdserve.ray.ingress import ingress_class
@@ -57,12 +59,16 @@ def build_application(args: argparse.Namespace, num_replicas: int | None = None)
     # --routing (prefix-aware by default); a decode replica only needs room: least-loaded. A
     # loopback --kv-transfer-host (the default) would be unreachable from other nodes: the node's IP.
     node_kv_host = args.kv_transfer_host in ("127.0.0.1", "localhost", "::1")
+    # The KV channel's secret (given, else new) and the decode pool's one engine id (the ingress
+    # cannot choose a decode replica before the prefill call: a lease is for the pool) reach the
+    # replicas as deployment arguments, held by Ray, not on any command line.
+    secret, pool_id = auth.secret_from(args.kv_transfer_secret) or auth.new_secret(), f"decode-pool-{uuid.uuid4().hex}"
     prefill = deployment(POOLS["prefill"], args.routing, args.prefill_replicas).bind(
-        {**kwargs, "role": "prefill"}, config, node_kv_host)
-    decode = deployment(POOLS["decode"], "least-loaded", args.decode_replicas).bind({**kwargs, "role": "decode"},
-                                                                                    config)
+        {**kwargs, "role": "prefill", "kv_transfer_secret": secret}, config, node_kv_host)
+    decode = deployment(POOLS["decode"], "least-loaded", args.decode_replicas).bind(
+        {**kwargs, "role": "decode", "kv_transfer_secret": secret, "kv_engine_id": pool_id}, config)
     return serve.deployment(pd_ingress_class(), name="Ingress").options(**ingress).bind(
-        prefill, decode, args.model, args.block_size, args.ray_retry_failed)
+        prefill, decode, args.model, args.block_size, args.ray_retry_failed, decode_engine_id=pool_id, kv_secret=secret)
 
 
 def check_pools(args: argparse.Namespace, max_calls: int = 64) -> None:

@@ -10,7 +10,11 @@ Failures are the plain ingress's: a replica that fails before answering is a 503
 `replica_failed` (or, with retry_failed, the call goes to another replica of its pool), one that
 fails mid-stream ends the stream with an error event. A refusal of either worker (400, 503
 overload, ...) reaches the client unchanged. Anything but the two generation endpoints (models,
-tokenizer, /metrics, /v1/kv_transfer) is forwarded as it came to a decode replica."""
+tokenizer, /metrics, /v1/kv_transfer) is forwarded as it came to a decode replica.
+
+The ingress cannot choose the decode replica before the prefill call (Serve's router places the
+call), so the decode pool shares one engine id on the KV channel and a lease is made for the pool;
+the ingress holds the deployment's secret to release a lease whose decode call did not go through."""
 import json
 
 from fastapi import Request
@@ -26,10 +30,11 @@ BODY_HEADERS = {b"content-length", b"content-type", b"transfer-encoding"}
 
 class PDIngress(Ingress):
     def __init__(self, prefill, decode, model: str, block_size: int, retry_failed: bool = False,
-                 max_attempts: int = 3):
+                 max_attempts: int = 3, decode_engine_id: str | None = None, kv_secret: str | None = None):
         super().__init__(decode, model, block_size, retry_failed, max_attempts)
         self.prefill = prefill   # DeploymentHandles of the prefill and the decode engine deployments
         self.decode = decode
+        self.decode_engine_id, self.kv_secret = decode_engine_id, kv_secret
 
     async def forward(self, request: Request):
         path = request.url.path
@@ -71,7 +76,7 @@ class PDIngress(Ingress):
             return self.respond(*await self.open(self.decode, call(body), []), extra=prefilled)
 
         try:
-            return await prefill_then_decode(path, body, prefill, decode)
+            return await prefill_then_decode(path, body, prefill, decode, self.decode_engine_id, self.kv_secret)
         except (Refused, WorkerFailure) as e:
             return e.response()
 

@@ -101,6 +101,8 @@ class EngineReplica:
         return {"kv_blocks": self.engine.runner.num_blocks}
 
     def info(self) -> dict:
-        """Who this replica is, its KV cache, its requests in flight and its KV transfer role."""
+        """Who this replica is, its KV cache, its requests in flight, its KV transfer role and
+        (a prefill replica) the leases it holds."""
         return {"replica": self.name, "node_id": self.node_id, "pid": os.getpid(), "requests": self.in_flight,
-                "kv_blocks": self.engine.runner.num_blocks, "kv_transfer": self.engine.kv_transfer_info()}
+                "kv_blocks": self.engine.runner.num_blocks, "kv_transfer": self.engine.kv_transfer_info(),
+                "kv_leases": len(getattr(self.engine.connector, "leases", None) or ())}

@@ -44,6 +44,9 @@ class KVTransferFields(_Strict):
     transport: Literal["tcp", "shm"] = "tcp"
     block_size: StrictInt | None = None
     dtype: str | None = None
+    decode_engine_id: str | None = None
+    prompt_hash: str | None = None
+    signature: str | None = None
 
 
 class _SamplingFields(_Strict, StructuredFields):

@@ -7,6 +7,9 @@ from pdserve.kv_transfer import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 from tests.helpers import finish_all
 
+SECRET = "a test deployment's KV transfer secret"   # every prefill and decode engine here holds it
+ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=16)   # the engines of the `pair` fixture
+
 
 def greedy(max_tokens: int, **kv) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0,
@@ -21,10 +24,10 @@ def colocated(path: str, prompts, max_tokens: int, **engine_kwargs) -> list[list
     return [finals[f"c{i}"].token_ids for i in range(len(prompts))]
 
 
-def prefill(pre: LLMEngine, prompts) -> list[dict]:
-    """Prefill every prompt on `pre` (one token, blocks leased); their kv_transfer_params."""
+def prefill(pre: LLMEngine, prompts, dec: LLMEngine) -> list[dict]:
+    """Prefill every prompt on `pre` (one token, blocks leased for `dec`); their kv_transfer_params."""
     for i, p in enumerate(prompts):
-        pre.add_request(f"p{i}", p, greedy(1, do_remote_decode=True))
+        pre.add_request(f"p{i}", p, greedy(1, do_remote_decode=True, decode_engine_id=dec.connector.engine_id))
     finals = {}
     while pre.scheduler.has_unfinished():
         for out in pre.step():

@@ -6,7 +6,7 @@ import pytest
 from pdserve.engine.llm_engine import LLMEngine
 from tests.helpers import corpus_prompts
 from tests.engine.test_exact import VARIANTS
-from tests.kv_transfer.pd import colocated, decode, prefill
+from tests.kv_transfer.pd import SECRET, colocated, decode, prefill
 
 NEW_TOKENS = 10
 LENS = [1, 2, 15, 16, 17, 33, 120]
@@ -21,12 +21,12 @@ def model_path(request, make_tiny):
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_disaggregated_greedy_equals_colocated(model_path, transport):
-    pre = LLMEngine(model_path, role="prefill", kv_transport=transport, **ENGINE)
-    dec = LLMEngine(model_path, role="decode", **ENGINE)
+    pre = LLMEngine(model_path, role="prefill", kv_transfer_secret=SECRET, kv_transport=transport, **ENGINE)
+    dec = LLMEngine(model_path, role="decode", kv_transfer_secret=SECRET, **ENGINE)
     try:
         prompts = corpus_prompts(pre.tokenizer, LENS)
         ref = colocated(model_path, prompts, NEW_TOKENS, **ENGINE)
-        params = prefill(pre, prompts)
+        params = prefill(pre, prompts, dec)
         assert len(pre.connector.leases) == len(prompts)
         assert all(p["transport"] == transport and p["num_tokens"] == len(q) for p, q in zip(params, prompts))
         finals = decode(dec, prompts, params, NEW_TOKENS, pre)
@@ -47,12 +47,12 @@ def test_disaggregated_greedy_equals_colocated(model_path, transport):
 def test_decode_uses_the_pulled_kv(tiny_llama):
     """Corrupting the prefill worker's cache after the prefill changes the decode's tokens: the
     decode worker took the prompt's K/V from there, it did not recompute it."""
-    pre = LLMEngine(tiny_llama, role="prefill", **ENGINE)
-    dec = LLMEngine(tiny_llama, role="decode", **ENGINE)
+    pre = LLMEngine(tiny_llama, role="prefill", kv_transfer_secret=SECRET, **ENGINE)
+    dec = LLMEngine(tiny_llama, role="decode", kv_transfer_secret=SECRET, **ENGINE)
     try:
         prompts = corpus_prompts(pre.tokenizer, [120])
         ref = colocated(tiny_llama, prompts, NEW_TOKENS, **ENGINE)
-        params = prefill(pre, prompts)
+        params = prefill(pre, prompts, dec)
         pre.runner.kv_cache.normal_()
         finals = decode(dec, prompts, params, NEW_TOKENS, pre)
         assert finals["d0"].token_ids != ref[0]

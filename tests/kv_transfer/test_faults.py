@@ -10,33 +10,18 @@ import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import RequestError
-from pdserve.kv_transfer import KVTransferParams, frames, tcp
+from pdserve.kv_transfer import KVTransferParams, auth, frames, tcp
 from pdserve.kv_transfer.layout import KVLayout
 from tests.helpers import corpus_prompts
-from tests.kv_transfer.pd import colocated, decode, drive, greedy, prefill
+from tests.kv_transfer.pd import ENGINE, SECRET, colocated, decode, drive, greedy, prefill
 
-ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=16)
 NEW_TOKENS = 8
-
-
-@pytest.fixture
-def pair(tiny_llama):
-    engines = []
-
-    def make(pre_kwargs=None, dec_kwargs=None):
-        pre = LLMEngine(tiny_llama, role="prefill", **ENGINE, **(pre_kwargs or {}))
-        dec = LLMEngine(tiny_llama, role="decode", **ENGINE, **(dec_kwargs or {}))
-        engines.extend([pre, dec])
-        return pre, dec
-    yield make
-    for e in engines:
-        e.close()
 
 
 def test_expired_lease_frees_blocks_and_decode_recomputes(pair, tiny_llama):
     pre, dec = pair({"kv_lease_s": 0.2})
     prompts = corpus_prompts(pre.tokenizer, [40, 70])
-    params = prefill(pre, prompts)
+    params = prefill(pre, prompts, dec)
     assert pre.block_manager.num_free_blocks < pre.block_manager.num_blocks   # held by the leases
     time.sleep(0.3)
     pre.step()   # an idle step frees what expired
@@ -51,7 +36,7 @@ def test_expired_lease_frees_blocks_and_decode_recomputes(pair, tiny_llama):
 def test_fail_policy_fails_the_request_clearly(pair):
     pre, dec = pair({"kv_lease_s": 0.1}, {"kv_load_failure_policy": "fail"})
     prompts = corpus_prompts(pre.tokenizer, [40])
-    params = prefill(pre, prompts)
+    params = prefill(pre, prompts, dec)
     time.sleep(0.2)
     finals = decode(dec, prompts, params, NEW_TOKENS, pre)
     out = finals["d0"]
@@ -63,7 +48,7 @@ def test_fail_policy_fails_the_request_clearly(pair):
 def test_prefill_worker_gone_decode_recomputes(pair, tiny_llama):
     pre, dec = pair()
     prompts = corpus_prompts(pre.tokenizer, [50])
-    params = prefill(pre, prompts)
+    params = prefill(pre, prompts, dec)
     pre.close()   # the listener is gone
     finals = decode(dec, prompts, params, NEW_TOKENS)
     assert finals["d0"].token_ids == colocated(tiny_llama, prompts, NEW_TOKENS, **ENGINE)[0]
@@ -82,7 +67,7 @@ def test_decode_abort_during_pull_frees_blocks_on_both_sides(pair):
         return read(layer, runs)
     layout.read_layer = slow_read
     prompts = corpus_prompts(pre.tokenizer, [60])
-    params = prefill(pre, prompts)
+    params = prefill(pre, prompts, dec)
     dec.add_request("d0", prompts[0], greedy(NEW_TOKENS, **params[0]))
     dec.step()   # parks it and starts the pull
     assert dec.scheduler.loading and started.wait(10)
@@ -97,24 +82,32 @@ def test_decode_abort_during_pull_frees_blocks_on_both_sides(pair):
 
 
 def _raw(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=5)
+    """A connection to the listener, its HELLO read (the handshake not answered)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    assert frames.recv_json(s, expect=(frames.HELLO,))[1]["nonce"]
+    return s
+
+
+def _authed(port: int, engine_id: str, secret: str = SECRET) -> socket.socket:
+    return tcp.Peer("127.0.0.1", port, secret, engine_id).connect(5)
 
 
 def test_listener_refuses_malformed_frames_and_keeps_serving(pair, tiny_llama):
     pre, dec = pair()
     prompts = corpus_prompts(pre.tokenizer, [30])
-    params = prefill(pre, prompts)
+    params = prefill(pre, prompts, dec)
+    lease, me, prompt_hash = params[0]["remote_request_id"], dec.connector.engine_id, params[0]["prompt_hash"]
     with _raw(pre.connector.port) as s:   # not a frame at all
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(32))
         kind, msg = frames.recv_json(s, expect=(frames.ERROR,))   # answered with ERROR, then closed
         assert "not a pdserve KV frame" in msg["error"]
-    with _raw(pre.connector.port) as s:   # a PULL whose payload fails its checksum
+    with _authed(pre.connector.port, me) as s:   # a PULL whose payload fails its checksum
         payload = b'{"request_id": "p0", "start": 0, "end": 29}'
         s.sendall(frames.HEADER.pack(frames.MAGIC, frames.VERSION, frames.PULL, 0, 0, len(payload), 12345) + payload)
         kind, msg = frames.recv_json(s, expect=(frames.ERROR,))
         assert "checksum" in msg["error"]
-    with _raw(pre.connector.port) as s:   # a pull of positions the lease does not hold
-        frames.send_json(s, frames.PULL, {"request_id": "p0", "start": 0, "end": 31})
+    with _authed(pre.connector.port, me) as s:   # a pull of positions the lease does not hold
+        frames.send_json(s, frames.PULL, {"request_id": lease, "start": 0, "end": 31, "prompt_hash": prompt_hash})
         assert "not within" in frames.recv_json(s, expect=(frames.ERROR,))[1]["error"]
     assert len(pre.connector.leases) == 1
     finals = decode(dec, prompts, params, NEW_TOKENS, pre)   # the lease is intact
@@ -133,6 +126,7 @@ def test_pull_refuses_a_corrupted_layer_frame(tiny_llama):
     def serve():
         conn, _ = listener.accept()
         with conn:
+            auth.accept(conn, SECRET)
             frames.recv_json(conn, expect=(frames.PULL,))
             data = bytes(layout.layer_bytes(runs))
             head = frames.HEADER.pack(frames.MAGIC, frames.VERSION, frames.LAYER, 0, 0, len(data), 1)
@@ -141,7 +135,7 @@ def test_pull_refuses_a_corrupted_layer_frame(tiny_llama):
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     with pytest.raises(tcp.PullError, match="checksum"):
-        tcp.pull("127.0.0.1", port, "r", 0, 16, layout, runs, "tcp")
+        tcp.pull(tcp.Peer("127.0.0.1", port, SECRET, "d"), "r", "h", 0, 16, layout, runs, "tcp")
     thread.join(5)
     listener.close()
 
@@ -166,7 +160,8 @@ def test_frame_round_trip_and_truncation():
 def test_requests_that_do_not_fit_the_worker_are_refused(pair, tiny_llama):
     pre, dec = pair()
     prompt = corpus_prompts(pre.tokenizer, [20])[0]
-    good = dict(do_remote_prefill=True, remote_host="127.0.0.1", remote_port=1, remote_request_id="x", num_tokens=20)
+    good = dict(do_remote_prefill=True, remote_host="127.0.0.1", remote_port=1, remote_request_id="x", num_tokens=20,
+                prompt_hash="h", signature="s")
     with pytest.raises(RequestError, match="block_size") as e:
         dec.add_request("a", prompt, greedy(4, **{**good, "block_size": 32}))
     assert e.value.param == "kv_transfer_params.block_size"
@@ -182,14 +177,15 @@ def test_requests_that_do_not_fit_the_worker_are_refused(pair, tiny_llama):
     with pytest.raises(RequestError, match="--role both"):
         both.add_request("f", prompt, greedy(4, do_remote_decode=True))
     with pytest.raises(RequestError, match="remote_port"):
-        KVTransferParams(do_remote_prefill=True, remote_host="h", remote_request_id="x", num_tokens=3)
+        KVTransferParams(do_remote_prefill=True, remote_host="h", remote_request_id="x", num_tokens=3, prompt_hash="h",
+                         signature="s")
     assert not dec.has_unfinished_requests()
 
 
 def test_shm_pull_from_a_tcp_prefill_worker_is_refused_and_recomputed(pair, tiny_llama):
     pre, dec = pair()   # its cache is not in shared memory
     prompts = corpus_prompts(pre.tokenizer, [40])
-    params = [{**p, "transport": "shm"} for p in prefill(pre, prompts)]
+    params = [{**p, "transport": "shm"} for p in prefill(pre, prompts, dec)]
     finals = decode(dec, prompts, params, NEW_TOKENS, pre)
     assert finals["d0"].token_ids == colocated(tiny_llama, prompts, NEW_TOKENS, **ENGINE)[0]
     assert dec.get_stats().kv_transfer_failures == 1 and len(pre.connector.leases) == 0

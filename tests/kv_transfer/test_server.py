@@ -2,13 +2,16 @@
 them: the prefill call (max_tokens 1, do_remote_decode), then the decode call with the
 kv_transfer_params it returned; the answer equals a colocated server's."""
 import json
+import logging
 
 import httpx
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
+from tests.kv_transfer.pd import SECRET
 from tests.server.conftest import metrics
 from tests.server.inprocess import serve
+from tests.server.test_step_events import StepStream
 
 ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=8)
 PROMPT = "Once upon a time there was a little robot who lived in a lighthouse by the sea, and every night"
@@ -17,8 +20,8 @@ PROMPT = "Once upon a time there was a little robot who lived in a lighthouse by
 @pytest.fixture(scope="module")
 def urls(tiny_qwen2):
     with serve(LLMEngine(tiny_qwen2, **ENGINE)) as both, \
-            serve(LLMEngine(tiny_qwen2, role="prefill", **ENGINE)) as pre, \
-            serve(LLMEngine(tiny_qwen2, role="decode", **ENGINE)) as dec:
+            serve(LLMEngine(tiny_qwen2, role="prefill", kv_transfer_secret=SECRET, **ENGINE)) as pre, \
+            serve(LLMEngine(tiny_qwen2, role="decode", kv_transfer_secret=SECRET, **ENGINE)) as dec:
         yield both, pre, dec
 
 
@@ -26,11 +29,18 @@ def _post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(url + path, json=body, timeout=60)
 
 
-def _via_pair(pre: str, dec: str, path: str, body: dict) -> tuple[dict, httpx.Response]:
-    first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+def _prefill(pre: str, dec: str, path: str, body: dict) -> dict:
+    """The prefill call, its lease made for the decode worker at `dec`: the kv_transfer_params."""
+    dec_id = httpx.get(dec + "/v1/kv_transfer").json()["engine_id"]
+    first = {**body, "max_tokens": 1, "stream": False,
+             "kv_transfer_params": {"do_remote_decode": True, "decode_engine_id": dec_id}}
     r = _post(pre, path, first)
     assert r.status_code == 200, r.text
-    kv = r.json()["kv_transfer_params"]
+    return r.json()["kv_transfer_params"]
+
+
+def _via_pair(pre: str, dec: str, path: str, body: dict) -> tuple[dict, httpx.Response]:
+    kv = _prefill(pre, dec, path, body)
     return kv, _post(dec, path, {**body, "kv_transfer_params": kv})
 
 
@@ -109,3 +119,21 @@ def test_decode_worker_refuses_a_mismatched_block_size(urls):
     kv, _ = _via_pair(pre, dec, "/v1/completions", body)   # (this one pulls and releases)
     r = _post(dec, "/v1/completions", {**body, "kv_transfer_params": {**kv, "block_size": 32}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.block_size"
+
+
+def test_the_lease_token_is_shown_by_no_endpoint_or_log(urls, caplog):
+    """Only the prefill response carries the lease's token: not /v1/engine/steps (which lists the
+    prefill request), /metrics, /v1/kv_transfer, nor the workers' logs at INFO."""
+    both, pre, dec = urls
+    caplog.set_level(logging.INFO)
+    steps = StepStream(pre, lambda events: any(r["state"] == "finished" for e in events for r in e["requests"]))
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    kv = _prefill(pre, dec, "/v1/completions", body)
+    shown = json.dumps(steps.join())
+    assert '"finished"' in shown   # the stream saw the prefill request
+    r = _post(dec, "/v1/completions", {**body, "kv_transfer_params": kv})
+    assert r.status_code == 200, r.text
+    for url in (pre, dec):
+        shown += httpx.get(url + "/metrics").text + httpx.get(url + "/v1/kv_transfer").text
+    assert kv["remote_request_id"] not in shown + caplog.text
+

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.bench.servers import free_port
+from pdserve.bench.servers import free_port, scrape_metrics as metrics
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
 LINE = re.compile(r"^(prefill|decode) worker: (\S+) \(cores (\S+), \d+ threads?, pid (\d+)\)$", re.M)
@@ -76,11 +76,18 @@ def test_it_serves_on_pinned_workers_and_stops_them_all_on_sigterm(launch):
     assert os.sched_getaffinity(s.workers["prefill"]["pid"]) == {sorted(os.sched_getaffinity(0))[0]}
     assert os.sched_getaffinity(s.workers["decode"]["pid"]) == {sorted(os.sched_getaffinity(0))[1]}
     with open(f"/proc/{s.workers['decode']['pid']}/cmdline") as f:
-        assert "--threads\x001\x00" in f.read()
+        decode_cmd = f.read()
+    assert "--threads\x001\x00" in decode_cmd and "--kv-transfer-peers\x00127.0.0.1:" in decode_cmd
+    # the KV channel's secret: generated, in the workers' environment, on no command line
+    with open(f"/proc/{s.workers['prefill']['pid']}/environ") as f:
+        secret = dict(v.split("=", 1) for v in f.read().split("\x00") if "=" in v)["PDSERVE_KV_TRANSFER_SECRET"]
+    with open(f"/proc/{s.workers['prefill']['pid']}/cmdline") as f:
+        assert len(secret) == 64 and secret not in f.read() + decode_cmd
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
     r = c.completions.create(model=c.models.list().data[0].id, prompt="Once upon a time", max_tokens=5,
                              temperature=0)
     assert r.usage.completion_tokens == 5
+    assert metrics(s.workers["decode"]["url"])["pdserve:kv_transfers_total"] == 1   # pulled on the channel
     assert httpx.get(s.url + "/health").json()["status"] == "ok"
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(90) == 0

@@ -6,6 +6,7 @@ import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.proxy import launch
+from tests.kv_transfer.pd import SECRET
 from tests.proxy.conftest import Served, proxy_args
 from tests.server.conftest import metrics
 from tests.server.inprocess import serve
@@ -18,8 +19,9 @@ PROMPT = "Once upon a time there was a little robot who lived in a lighthouse by
 def servers(request, make_tiny):
     """(colocated URL, proxy URL, decode worker URL) over one tiny checkpoint."""
     path = make_tiny(request.param)
-    with serve(LLMEngine(path, **ENGINE)) as both, serve(LLMEngine(path, role="prefill", **ENGINE)) as pre, \
-            serve(LLMEngine(path, role="decode", **ENGINE)) as dec:
+    with serve(LLMEngine(path, **ENGINE)) as both, \
+            serve(LLMEngine(path, role="prefill", kv_transfer_secret=SECRET, **ENGINE)) as pre, \
+            serve(LLMEngine(path, role="decode", kv_transfer_secret=SECRET, **ENGINE)) as dec:
         app, _ = launch.build(proxy_args([pre], [dec]))
         proxy = Served(app)
         yield both, proxy.url, dec

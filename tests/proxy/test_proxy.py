@@ -27,10 +27,12 @@ def test_completions_go_through_a_prefill_then_a_decode_worker(cluster, stream):
         got = r.choices[0].text
         assert r.usage.completion_tokens == 5
     assert got == text(5)
-    # the contract: the prefill worker gets one token, not streamed, one choice, the KV kept ...
+    # the contract: the prefill worker gets one token, not streamed, one choice, the KV kept for
+    # the decode worker chosen first ...
     (p,) = prefill.bodies
     assert p["max_tokens"] == 1 and p["stream"] is False and p["n"] == 1
-    assert p["kv_transfer_params"] == {"do_remote_decode": True} and "stream_options" not in p
+    assert p["kv_transfer_params"] == {"do_remote_decode": True, "decode_engine_id": decode.engine_id}
+    assert "stream_options" not in p
     assert p["prompt"] == PROMPT
     # ... the decode worker the client's own body and the params the prefill worker returned
     (d,) = decode.bodies

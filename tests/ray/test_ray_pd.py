@@ -133,6 +133,14 @@ def test_refusals_reach_the_client_in_openai_format(url):
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": -1}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"   # the prefill replica's own 400
     assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    # refused by the decode replica only (the prefill call asks for 1 token): the ingress releases
+    # the lease the prefill replica made for the decode pool, long before --kv-lease-s
+    r = complete(url, PROMPTS[0], 100_000)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    deadline = time.monotonic() + 120
+    while pool_info("prefill")["kv_leases"]:
+        assert time.monotonic() < deadline, "the lease of the refused decode call was not released"
+        time.sleep(0.1)
 
 
 def finished(url: str) -> dict[str, float]:
