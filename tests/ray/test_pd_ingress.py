@@ -73,7 +73,7 @@ def prefill_ok(**extra):
 
 
 def client(model: str, prefill: FakePool, decode: FakePool, retry: bool = False) -> httpx.AsyncClient:
-    ingress = PDIngress(prefill, decode, model, 16, retry_failed=retry)
+    ingress = PDIngress(prefill, decode, model, 16, retry_failed=retry, decode_engine_id="decode-pool")
     app = FastAPI()
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
@@ -103,7 +103,7 @@ def test_the_prefill_pool_gets_one_token_and_the_decode_pool_the_request_with_it
     assert r.headers["x-pdserve-prefill-node"] == "node-p1"
     sent = json.loads(prefill.calls[0]["body"])
     assert sent["max_tokens"] == 1 and sent["stream"] is False and sent["kv_transfer_params"] == {
-        "do_remote_decode": True}
+        "do_remote_decode": True, "decode_engine_id": "decode-pool"}   # the lease is for the decode pool
     assert prefill.calls[0]["hashes"]   # routed by the prompt's blocks
     assert json.loads(decode.calls[0]["body"]) == {**BODY, "kv_transfer_params": PARAMS}
     assert decode.calls[0]["hashes"] == []
