@@ -11,6 +11,7 @@ import os
 import uvicorn
 
 from pdserve.errors import ConfigError
+from pdserve.kv_transfer import auth
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.pairing import check_pairing
 from pdserve.proxy.relay import Proxy
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--read-timeout", type=_seconds, default=300.0, metavar="SECONDS",
                    help="a worker that sends nothing for this long has failed the request: 504, or an error "
                         "event in a stream (default: %(default)s)")
-    w.add_argument("--kv-transfer-secret", default=os.environ.get("PDSERVE_KV_TRANSFER_SECRET"), metavar="SECRET",
+    w.add_argument("--kv-transfer-secret", default=None, metavar="SECRET",
                    help="the workers' KV transfer secret, with which the proxy releases at once the lease of a "
                         "decode call refused or whose client left (default: $PDSERVE_KV_TRANSFER_SECRET; unset: "
                         "such a lease waits for the prefill worker's --kv-lease-s)")
@@ -75,7 +76,7 @@ def build(args: argparse.Namespace):
     pairing = check_pairing(prefill, decode, headers, timeout=args.connect_timeout)
     proxy = Proxy(Router(prefill, args.routing), Router(decode, args.routing),
                   ProxyMetrics(pairing.model, prefill + decode), args.read_timeout, args.api_key or None,
-                  getattr(args, "kv_transfer_secret", None))
+                  auth.secret_from(getattr(args, "kv_transfer_secret", None)))
     app = build_app(proxy, connect_timeout=args.connect_timeout, max_body_bytes=args.max_body_bytes,
                     allowed_hosts=allowed_hosts(args), max_connections=args.max_connections)
     return app, pairing

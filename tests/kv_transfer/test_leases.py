@@ -65,3 +65,17 @@ def test_a_client_gone_between_the_two_calls_releases_the_lease(prefill, proxied
         wait_until(lambda: decode.bodies, timeout=120)
         assert leases(prefill) == 1
     wait_until(lambda: leases(prefill) == 0, timeout=120)
+
+
+def test_the_proxy_takes_the_secret_from_the_environment_as_the_workers_do(prefill, monkeypatch):
+    decode = FakeWorker("decode")
+    served = Served(decode.app)
+    try:
+        monkeypatch.setenv("PDSERVE_KV_TRANSFER_SECRET", SECRET)
+        app, _ = launch.build(proxy_args([prefill[0]], [served.url]))
+        assert app.state.proxy.kv_secret == SECRET
+        monkeypatch.delenv("PDSERVE_KV_TRANSFER_SECRET")
+        app, _ = launch.build(proxy_args([prefill[0]], [served.url], "--kv-transfer-secret", "given"))
+        assert app.state.proxy.kv_secret == "given"
+    finally:
+        served.stop()
