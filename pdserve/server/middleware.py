@@ -155,12 +155,13 @@ class BodyMiddleware:
         if bodiless_ok and body:
             await self._not_json(scope, receive, send, [])
             return
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as e:   # json.loads would pass it on with lone surrogates in its strings
-            await _refuse(scope, receive, send, 400, f"the body is not valid UTF-8 (byte {e.start}: {e.reason})",
-                          code="invalid_unicode")
-            return
+        if not body.isascii():   # (ASCII, the usual body, is UTF-8: no decoded copy made for it)
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as e:   # json.loads would pass it on with lone surrogates in its strings
+                await _refuse(scope, receive, send, 400, f"the body is not valid UTF-8 (byte {e.start}: "
+                              f"{e.reason})", code="invalid_unicode")
+                return
         if _SURROGATE_ESCAPE.search(body):
             path = self._surrogate_path(body)
             if path is not None:
