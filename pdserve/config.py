@@ -89,9 +89,31 @@ class ModelConfig:
 
     @property
     def sliding_window(self) -> int | None:
+        """The window of the model's sliding-window layers (None: none has one); which layers have
+        it: layer_windows."""
         if self.architecture == "Qwen2ForCausalLM" and not self.raw.get("use_sliding_window", False):
             return None
         return self.raw.get("sliding_window")
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), as transformers decides it: the
+        config's layer_types where it has them ("sliding_attention" layers get the window), else
+        Qwen2's rule (layers from max_window_layers on), else every layer (Mistral: transformers'
+        Mistral ignores layer_types)."""
+        w, L = self.sliding_window, self.num_layers
+        if w is None:
+            return [None] * L
+        types = self.raw.get("layer_types")
+        if types and self.architecture != "MistralForCausalLM":
+            if len(types) != L:
+                raise CheckpointError(f"{os.path.join(self.path, 'config.json')}: layer_types has {len(types)} "
+                                      f"entries for {L} layers")
+            return [w if t == "sliding_attention" else None for t in types]
+        if self.architecture == "Qwen2ForCausalLM":
+            first = self.raw.get("max_window_layers", 28)
+            return [w if i >= first else None for i in range(L)]
+        return [w] * L
 
     @property
     def rms_norm_eps(self) -> float:

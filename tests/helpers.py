@@ -98,7 +98,7 @@ def attention_torch_and_kernels(H, Hkv, D, block_size, window, dtype, q_lens, ct
         used += nb
     from pdserve.backends.cpu.layers import CpuPagedAttention
     from pdserve.backends.cpu.metadata import build_step_metadata
-    layer = CpuPagedAttention(H, Hkv, D, scale=D ** -0.5)
+    layer = CpuPagedAttention(H, Hkv, D, scale=D ** -0.5, sliding_window=window)
     cache = torch.randn(2, num_blocks * block_size, Hkv, D).to(dtype)
     layer.k_cache, layer.v_cache = cache[0], cache[1]
     T = sum(q_lens)
@@ -114,9 +114,9 @@ def attention_torch_and_kernels(H, Hkv, D, block_size, window, dtype, q_lens, ct
         step_groups = [([q_lens[i] for i in g], [starts[i] for i in g], [ctx_lens[i] for i in g],
                         [tables[i] for i in g]) for g in groups if g]
         if with_mask:
-            _, meta = build_metadata([slots], step_groups, block_size, window, "cpu")
+            _, meta = build_metadata([slots], step_groups, block_size, "cpu")
         else:
-            _, meta = build_step_metadata([slots], step_groups, block_size, window)
+            _, meta = build_step_metadata([slots], step_groups, block_size)
         # a C++ step is what sends the groups to the kernels (the layer has no other path for it)
         assert (meta.step is None) == with_mask and (not meta.groups) == (not with_mask)
         with attention_context(meta):

@@ -65,3 +65,23 @@ def test_the_loading_bar_shows_only_on_a_terminal(make_tiny, monkeypatch, termin
     monkeypatch.setattr(sys, "stderr", err)
     _load(path)
     assert ("\r" in err.getvalue()) == terminal, repr(err.getvalue()[:200])
+
+
+def test_layer_windows_follow_transformers_rules(make_tiny, tmp_path):
+    """Which layers slide: the config's layer_types, else Qwen2's max_window_layers (the
+    transformers-4 spelling has no layer_types), else every layer (Mistral)."""
+    import json
+    import shutil
+    from pdserve.config import ModelConfig
+    qwen = make_tiny("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert ModelConfig.from_dir(qwen).layer_windows == [None, 16]
+    old = tmp_path / "qwen2-tf4"
+    shutil.copytree(qwen, old)
+    raw = json.loads((old / "config.json").read_text())
+    del raw["layer_types"]
+    (old / "config.json").write_text(json.dumps(raw))
+    assert ModelConfig.from_dir(str(old)).layer_windows == [None, 16]
+    raw["use_sliding_window"] = False
+    (old / "config.json").write_text(json.dumps(raw))
+    assert ModelConfig.from_dir(str(old)).layer_windows == [None, None]
+    assert ModelConfig.from_dir(make_tiny("mistral", sliding_window=16)).layer_windows == [16, 16]

@@ -25,7 +25,7 @@ class Backend:
         """Once the attention layers hold their views of the KV cache."""
 
     def build_metadata(self, flat: list[list[int]], groups: list[tuple], block_size: int,
-                       sliding_window: int | None, device) -> tuple[list[torch.Tensor], object]:
+                       device) -> tuple[list[torch.Tensor], object]:
         """One step's flat integer lists as tensors and the attention metadata of the forward
         (layers/attention.py: build_metadata's arguments)."""
         raise NotImplementedError

@@ -13,8 +13,8 @@ class TorchBackend(Backend):
     def __init__(self, device: torch.device, why: str | None = None):
         self.device, self.why = device, why
 
-    def build_metadata(self, flat, groups, block_size, sliding_window, device):
-        return build_metadata(flat, groups, block_size, sliding_window, device)
+    def build_metadata(self, flat, groups, block_size, device):
+        return build_metadata(flat, groups, block_size, device)
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         with attention_context(meta):

@@ -37,7 +37,6 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.backend.attach_cache(self.model)
         self.sampler = Sampler(eos_token_ids, self.device, config.seed)
-        self.sliding_window = model_config.sliding_window
         self.last_forward_time = 0.0
         self.last_times: dict[str, float] = {}
         self._masks: ThreadPoolExecutor | None = None   # started by the first constrained request
@@ -113,8 +112,7 @@ class ModelRunner:
             elif first + n > seq.num_tokens:   # verifying drafts: logits at all n rows
                 verify.append((seq, start, n))
         (input_ids_t, positions_t, _), meta = self.backend.build_metadata(
-            [input_ids, positions, slots], [g for g in groups.values() if g[0]], bs, self.sliding_window,
-            self.device)
+            [input_ids, positions, slots], [g for g in groups.values() if g[0]], bs, self.device)
         return input_ids_t, positions_t, meta, logit_rows, sample_seqs, verify
 
     @torch.inference_mode()

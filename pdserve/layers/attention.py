@@ -12,7 +12,7 @@ runner and made visible to every layer through `attention_context` for the durat
 """
 from array import array
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,19 @@ class AttentionGroup:
     num_keys: int             # K: the longest context in the group
     block_size: int
     ctx_lens: torch.Tensor    # (B,) int64: keys of each sequence, this step's included
-    sliding_window: int | None
     mask: torch.Tensor        # (B, 1, Q, K) bool: causal within the sequence, False on padding
+    q_pos: torch.Tensor       # (B, Q) each query's position in its sequence: a layer's window is cut from it
+    windowed: dict = field(default_factory=dict)   # sliding window -> its mask, made by the first layer that asks
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer with this sliding window (None: full attention): each window's
+        once per step, shared by the layers that have it."""
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            k_pos = torch.arange(self.num_keys, device=self.q_pos.device)
+            self.windowed[window] = self.mask & (k_pos[None, None, :] > self.q_pos[:, :, None] - window)[:, None]
+        return self.windowed[window]
 
 
 @dataclass
@@ -61,7 +72,7 @@ def get_attention_metadata() -> AttentionMetadata:
     return _CONTEXT
 
 
-def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int, sliding_window: int | None,
+def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int,
                    device) -> tuple[list[torch.Tensor], AttentionMetadata]:
     """One step's attention metadata for the masked SDPA path, and its per-token integer lists as
     tensors.
@@ -69,14 +80,15 @@ def build_metadata(flat: list[list[int]], groups: list[tuple], block_size: int, 
     flat: per-token lists of the step (the runner's input ids, positions, slots), the last being
     the slot mapping. groups: (q_lens, starts, ctx_lens, block_tables) of each group, whose sequences
     have q_lens queries starting at flat index starts and a cached context of ctx_lens tokens after
-    this step; a group of one-query sequences is the decodes. (The CPU backend's kernels need no
-    mask and no padding: backends/cpu/metadata.py builds theirs.)"""
+    this step; a group of one-query sequences is the decodes. A sliding window is each layer's own
+    (PagedAttention.sliding_window), cut from the causal mask there. (The CPU backend's kernels
+    need no mask and no padding: backends/cpu/metadata.py builds theirs.)"""
     ints, sizes = [], []
     for x in flat:
         ints += x
         sizes.append(len(x))
     tensors = torch.frombuffer(array("q", ints), dtype=torch.long).to(device).split(sizes)
-    built = [_masked_group(*g, block_size, sliding_window, device) for g in groups]
+    built = [_masked_group(*g, block_size, device) for g in groups]
     return list(tensors), AttentionMetadata(tensors[-1], built)
 
 
@@ -91,7 +103,7 @@ def _add_tables(ints: list[int], tables: list[list[int]], num_keys: int, block_s
 
 
 def _masked_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], block_tables: list[list[int]],
-                  block_size: int, sliding_window: int | None, device) -> AttentionGroup:
+                  block_size: int, device) -> AttentionGroup:
     """Gather indices, padding and the causal mask, for one batched SDPA call."""
     K = max(ctx_lens)
     ints = q_lens + starts + ctx_lens
@@ -106,16 +118,20 @@ def _masked_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], blo
     q_pos = (ctx_t - q_lens_t)[:, None] + torch.minimum(q_off[None, :], q_lens_t[:, None] - 1)
     k_pos = torch.arange(K)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_t[:, None, None])
-    if sliding_window is not None:
-        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     return AttentionGroup(token_idx.to(device), query_valid.to(device), tables.to(device), K, block_size, ctx_t.to(device),
-                          sliding_window, mask[:, None].to(device))
+                          mask[:, None].to(device), q_pos.to(device))
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    """sliding_window: this layer's (None: full attention; models with interleaved local and global
+    layers give each its own). logit_softcap: scores become cap * tanh(scores / cap) before the
+    softmax (Gemma 2), None: none."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         # Set by the model runner once the cache is allocated: (num_slots, Hkv, D) views.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -131,11 +147,26 @@ class PagedAttention(nn.Module):
             qg = q[g.token_idx].transpose(1, 2)                 # (B, H, Q, D)
             kg = self._gather(self.k_cache, g)                  # (B, Hkv, K, D)
             vg = self._gather(self.v_cache, g)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
-                                                enable_gqa=self.num_heads != self.num_kv_heads)
+            mask = g.mask_for(self.sliding_window)
+            if self.logit_softcap is None:
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self.scale,
+                                                    enable_gqa=self.num_heads != self.num_kv_heads)
+            else:
+                og = self._softcapped(qg, kg, vg, mask)
             og = og.transpose(1, 2)                               # (B, Q, H, D)
             out[g.token_idx[g.query_valid]] = og[g.query_valid]
         return out.reshape(q.shape[0], -1)
+
+    def _softcapped(self, q, k, v, mask):
+        """SDPA with capped scores (SDPA itself has no cap). q: (B, H, Q, D), k, v: (B, Hkv, K, D)."""
+        rep = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        scores = self.logit_softcap * torch.tanh(scores / self.logit_softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        # a padded query row has no valid key: its output is dropped, only keep it finite
+        probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(v.dtype)
+        return probs @ v
 
     @staticmethod
     def _gather(cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The Llama family: Llama, Qwen2 (q/k/v bias), Mistral (sliding window).
+"""The Llama family: Llama, Qwen2 (q/k/v bias, sliding-window layers from max_window_layers on),
+Mistral (sliding window).
 
 RMSNorm, RoPE, SwiGLU, grouped-query attention. Module names mirror the HF checkpoints so that
 loading is a name match, except q/k/v and gate/up: each is one MergedLinear, filled shard by shard
@@ -18,14 +19,14 @@ from pdserve.models.decoder_spec import DecoderSpec
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_bias = cfg.architecture == "Qwen2ForCausalLM" or cfg.raw.get("attention_bias", False)
         o_bias = cfg.architecture != "Qwen2ForCausalLM" and cfg.raw.get("attention_bias", False)
         self.qkv_proj = MergedLinear(cfg.hidden_size, [H * D, Hkv * D, Hkv * D], bias=qkv_bias)
         self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=o_bias)
-        self.attn = PagedAttention(H, Hkv, D, scale=D ** -0.5)
+        self.attn = PagedAttention(H, Hkv, D, scale=D ** -0.5, sliding_window=cfg.layer_windows[layer])
         self.H, self.Hkv, self.D = H, Hkv, D
 
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
@@ -49,9 +50,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, norm=RMSNorm):
+    def __init__(self, cfg: ModelConfig, layer: int, norm=RMSNorm):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -72,7 +73,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, norm) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, norm) for i in range(cfg.num_layers))
         self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ class DraftModelProposer:
             slots += [table[p // bs] * bs + p % bs for p in pos]
             last.append(len(ids) - 1)
         (ids_t, pos_t, _), meta = r.backend.build_metadata([ids, positions, slots], [g for g in groups.values() if g[0]],
-                                                           bs, r.sliding_window, r.device)
+                                                           bs, r.device)
         hidden = r.backend.forward(r.model, ids_t, pos_t, meta)[last]
         if r.backend.fused_argmax and hidden.dtype == torch.float32:
             return r.backend.argmax(r.model, hidden).tolist()

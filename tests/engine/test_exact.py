@@ -5,12 +5,15 @@ import torch
 from pdserve import LLM, SamplingParams
 from tests.helpers import PROMPT_LENS, chunked_logits, corpus_prompts, hf_greedy, hf_logits
 
-# arch, config overrides: the four families plus OPT-350m style (post-LN, project_in/out) and
-# Llama 3.1 style (llama3 RoPE scaling, tied embeddings).
+# arch, config overrides: the four families plus OPT-350m style (post-LN, project_in/out), Llama
+# 3.1 style (llama3 RoPE scaling, tied embeddings) and sliding windows shorter than the prompts.
 VARIANTS = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
     "mistral": ("mistral", {}),
+    "mistral-window": ("mistral", {"sliding_window": 16}),
+    # Qwen2's windows only from max_window_layers on: layer 0 full, layer 1 windowed
+    "qwen2-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
     "opt": ("opt", {}),
     "opt-350m": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
     "llama3-rope-tied": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

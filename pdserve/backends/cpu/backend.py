@@ -19,7 +19,7 @@ from pdserve.backends.cpu.metadata import build_step_metadata
 from pdserve.backends.cpu.packed_linear import PackedLinear, pack_model
 from pdserve.backends.cpu.stack import Unsupported, build_stack
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.layers.attention import attention_context, build_metadata
+from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
 from pdserve.loader import embed_module_name
 
 log = logging.getLogger("pdserve")
@@ -35,11 +35,15 @@ class CpuBackend(Backend):
         self.model_config = model_config
         self.weight_format = config.quantization or ("bf16" if dtype == torch.bfloat16 else "fp32")
         self.attention_kernels = model_config.head_dim in ATTENTION_HEAD_DIMS
+        self.why_no_kernel_attention = (f"head size {model_config.head_dim}: the attention kernels take "
+                                        f"{', '.join(map(str, ATTENTION_HEAD_DIMS))}")
         self.stack, self.rotary, self.why_no_stack = None, None, None
 
     def prepare_model(self, model: nn.Module) -> None:
         m = self.model_config
         pack_model(model, self.weight_format, embed_module_name(m) if m.tie_word_embeddings else None)
+        if any(getattr(a, "logit_softcap", None) for a in model.modules() if isinstance(a, PagedAttention)):
+            self.attention_kernels, self.why_no_kernel_attention = False, "soft-capped attention scores"
         use_kernel_layers(model, attention=self.attention_kernels)
         self.fused_argmax = isinstance(model.lm_head, PackedLinear)
 
@@ -52,8 +56,7 @@ class CpuBackend(Backend):
         declares = all(hasattr(model, a) for a in ("decoder_spec", "embed", "finish"))
         spec = model.decoder_spec() if declares else None
         if not self.attention_kernels:
-            self.why_no_stack = (f"head size {self.model_config.head_dim}: the attention kernels take "
-                                 f"{', '.join(map(str, ATTENTION_HEAD_DIMS))}; attention by torch's SDPA")
+            self.why_no_stack = f"{self.why_no_kernel_attention}; attention by torch's SDPA"
         elif spec is None:
             self.why_no_stack = f"{type(model).__name__} declares no decoder_spec, embed and finish"
         else:
@@ -66,10 +69,10 @@ class CpuBackend(Backend):
             log.warning("CPU backend: the decoder stack cannot run %s (%s); its torch modules run layer by layer",
                         self.model_config.architecture, self.why_no_stack)
 
-    def build_metadata(self, flat, groups, block_size, sliding_window, device):
+    def build_metadata(self, flat, groups, block_size, device):
         if self.attention_kernels:
-            return build_step_metadata(flat, groups, block_size, sliding_window)
-        return build_metadata(flat, groups, block_size, sliding_window, device)
+            return build_step_metadata(flat, groups, block_size)
+        return build_metadata(flat, groups, block_size, device)
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         if self.stack is None:

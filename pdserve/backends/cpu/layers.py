@@ -64,11 +64,11 @@ class CpuPagedAttention(PagedAttention):
             rows = s.decode_rows if s.decode_first_row < 0 else slice(s.decode_first_row, s.decode_first_row + B)
             out[rows] = cpu_ops().paged_decode_attention(qf[rows].contiguous(), self.k_cache, self.v_cache,
                                                          s.decode_tables, s.decode_ctx, s.block_size, self.scale,
-                                                         s.sliding_window)
+                                                         self.sliding_window or 0)
         if s.prefill_q_lens.shape[0]:   # prefill chunks, written into out in place
             cpu_ops().paged_prefill_attention(qf, self.k_cache, self.v_cache, s.prefill_tables, s.prefill_starts,
                                               s.prefill_q_lens, s.prefill_ctx, out, s.block_size, self.scale,
-                                              s.sliding_window)
+                                              self.sliding_window or 0)
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 

@@ -10,8 +10,8 @@ from pdserve.backends.cpu.kernels import cpu_ops
 from pdserve.layers.attention import AttentionMetadata
 
 
-def build_step_metadata(flat: list[list[int]], groups: list[tuple], block_size: int,
-                        sliding_window: int | None) -> tuple[list[torch.Tensor], AttentionMetadata]:
+def build_step_metadata(flat: list[list[int]], groups: list[tuple], block_size: int
+                        ) -> tuple[list[torch.Tensor], AttentionMetadata]:
     """layers/attention.py's build_metadata (the same arguments) for the kernels."""
     T = len(flat[-1])
     ints = []
@@ -38,7 +38,6 @@ def build_step_metadata(flat: list[list[int]], groups: list[tuple], block_size: 
         ints += starts + q_lens + ctx_lens
         nb_pre = (max(ctx_lens) + block_size - 1) // block_size
     tensors, step = cpu_ops().AttentionStep.from_ints(ints, dec_tables, pre_tables, len(flat), T, len(dec_tables),
-                                                      nb_dec, first_row, len(pre_tables), nb_pre, block_size,
-                                                      sliding_window or 0)
+                                                      nb_dec, first_row, len(pre_tables), nb_pre, block_size)
     slots = step.slot_mapping
     return tensors + [slots], AttentionMetadata(slots, [], step)

@@ -44,8 +44,17 @@ def stack_arguments(model: nn.Module, spec: DecoderSpec) -> dict:
     """DecoderStack's arguments for `model` (packed, its KV cache views bound): the recipe, the
     sizes from the modules, and each layer's tensors by name. Raises Unsupported with the reason
     where a module is not one the stack has a kernel for."""
+    not_yet = [name for name, v in (("q_norm", spec.q_norm), ("k_norm", spec.k_norm),
+                                    ("post_attn_norm", spec.post_attn_norm), ("post_mlp_norm", spec.post_mlp_norm),
+                                    ("layer_rotary", spec.layer_rotary)) if v is not None]
+    if spec.residual_multiplier != 1.0:
+        not_yet.append("residual_multiplier")
+    if spec.attn_norm is None or spec.mlp_norm is None:
+        not_yet.append("a block without its norm")
+    if not_yet:
+        raise Unsupported(f"the stack does not run {', '.join(not_yet)} yet")
     layers = model.get_submodule(spec.layers)
-    norms, tensors = set(), []
+    norms, tensors, windows = set(), [], []
     for layer in layers:
         t = {}
         for role in ("attn_norm", "mlp_norm"):
@@ -57,6 +66,9 @@ def stack_arguments(model: nn.Module, spec: DecoderSpec) -> dict:
         attn = layer.get_submodule(spec.attention)
         if not isinstance(attn, PagedAttention) or attn.k_cache is None:
             raise Unsupported(f"{spec.attention} is not a paged attention with its cache bound")
+        if attn.logit_softcap is not None:
+            raise Unsupported("soft-capped attention scores")
+        windows.append(attn.sliding_window or 0)
         t["k_cache"], t["v_cache"] = attn.k_cache, attn.v_cache
         tensors.append(t)
     final = {}
@@ -72,7 +84,8 @@ def stack_arguments(model: nn.Module, spec: DecoderSpec) -> dict:
     return dict(layers=tensors, final_norm=final, has_final_norm=spec.final_norm is not None, norm=kind,
                 norm_position=spec.norm_position, rotary=spec.rotary is not None, activation=spec.activation,
                 num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                intermediate_size=layers[0].get_submodule(spec.down).in_features, eps=eps, scale=attn.scale)
+                intermediate_size=layers[0].get_submodule(spec.down).in_features, eps=eps, scale=attn.scale,
+                windows=windows)
 
 
 def build_stack(model: nn.Module, spec: DecoderSpec):

@@ -14,6 +14,7 @@ VARIANTS = {
     "llama": ("llama", {}, {}),
     "qwen2-bias": ("qwen2", {}, {}),                    # q/k/v biases
     "mistral-window": ("mistral", {"sliding_window": 8}, {}),
+    "qwen2-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, {}),
     "llama-int8": ("llama", {}, {"quantization": "int8"}),
     "opt": ("opt", {}, {}),                            # pre-LN
     "opt-350m": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}, {}),   # post-LN, project in/out

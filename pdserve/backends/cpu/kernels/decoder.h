@@ -18,14 +18,14 @@ struct AttentionStep {
   int64_t decode_first_row;
   torch::Tensor decode_rows, decode_tables, decode_ctx;
   torch::Tensor prefill_starts, prefill_q_lens, prefill_tables, prefill_ctx;
-  int64_t block_size, sliding_window;
+  int64_t block_size;
 
   // buf from `offset`: slot_mapping (num_tokens); decode_ctx (num_decodes), decode_rows (num_decodes,
   // only if decode_first_row is -1); prefill_starts, prefill_q_lens, prefill_ctx (num_prefills each);
   // decode_tables (num_decodes x decode_blocks), prefill_tables (num_prefills x prefill_blocks).
   static AttentionStep from_buffer(const torch::Tensor& buf, int64_t offset, int64_t num_tokens, int64_t num_decodes,
                                    int64_t decode_blocks, int64_t decode_first_row, int64_t num_prefills,
-                                   int64_t prefill_blocks, int64_t block_size, int64_t sliding_window);
+                                   int64_t prefill_blocks, int64_t block_size);
 };
 
 // cache[slots[t]] = x[t]: this step's K or V rows into their cache slots (decoder_cpu.cpp; bound
@@ -46,6 +46,7 @@ struct StackLayer {
   StackNorm attn_norm, mlp_norm;
   StackLinear qkv, o, up, down;
   torch::Tensor k_cache, v_cache;
+  int64_t window = 0;   // this layer's sliding window (0: none), from its attention module
 };
 
 // A decoder's layers for one engine step in one call, after the recipe a model declares
@@ -58,12 +59,14 @@ struct StackLayer {
 // every name and shape and throws ValueError on any it cannot run.
 //   attn_norm.weight, attn_norm.bias, mlp_norm.weight, mlp_norm.bias,
 //   {qkv,o,up,down}.packed, {qkv,o,up,down}.scale, {qkv,o,up,down}.bias, k_cache, v_cache
+// windows: each layer's sliding window (0: full attention).
 class DecoderStack {
  public:
   DecoderStack(const std::vector<std::map<std::string, torch::Tensor>>& layers,
                const std::map<std::string, torch::Tensor>& final_norm, bool has_final_norm, std::string norm,
                std::string norm_position, bool rotary, std::string activation, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale);
+               int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale,
+               const std::vector<int64_t>& windows);
 
   // x: (T, hidden) fp32 input of the first layer for the step's flat batch; cos, sin: (T, D) of
   // each position (empty without rotary). Returns the final norm's output, or the residual

@@ -50,14 +50,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 // PagedAttention.forward (layers/attention.py) on the kernels: write this step's K/V to their
 // slots, then the decodes and the prefill chunks. q: (T, H, D), k, v: (T, Hkv, D). Returns (T, H * D).
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
-                        torch::Tensor& v_cache, const AttentionStep& s, double scale) {
+                        torch::Tensor& v_cache, const AttentionStep& s, double scale, int64_t window) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), num_decodes = s.decode_tables.size(0);
   write_cache(k_cache, k, s.slot_mapping);
   write_cache(v_cache, v, s.slot_mapping);
   auto qf = q.contiguous();
   auto decode = [&](const torch::Tensor& rows) {   // the decode rows' queries -> their outputs
     return paged_decode_attention(rows, k_cache, v_cache, s.decode_tables, s.decode_ctx, s.block_size, scale,
-                                  s.sliding_window);
+                                  window);
   };
   if (num_decodes == T && s.decode_first_row == 0)   // decodes only: the kernel's output is the result
     return decode(qf).view({T, H * D});
@@ -70,7 +70,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   }
   if (s.prefill_q_lens.size(0) > 0)
     paged_prefill_attention(qf, k_cache, v_cache, s.prefill_tables, s.prefill_starts, s.prefill_q_lens, s.prefill_ctx,
-                            out, s.block_size, scale, s.sliding_window);
+                            out, s.block_size, scale, window);
   return out.view({T, H * D});
 }
 
@@ -156,8 +156,7 @@ void write_cache(const torch::Tensor& cache, const torch::Tensor& x, const torch
 
 AttentionStep AttentionStep::from_buffer(const torch::Tensor& buf, int64_t offset, int64_t num_tokens,
                                          int64_t num_decodes, int64_t decode_blocks, int64_t decode_first_row,
-                                         int64_t num_prefills, int64_t prefill_blocks, int64_t block_size,
-                                         int64_t sliding_window) {
+                                         int64_t num_prefills, int64_t prefill_blocks, int64_t block_size) {
   TORCH_CHECK(buf.dim() == 1 && buf.scalar_type() == at::kLong && buf.is_contiguous(), "buf must be 1-D int64");
   auto next = [&](int64_t n) {
     TORCH_CHECK(offset + n <= buf.size(0), "the step's metadata runs past its buffer");
@@ -176,7 +175,6 @@ AttentionStep AttentionStep::from_buffer(const torch::Tensor& buf, int64_t offse
   s.decode_tables = next(num_decodes * decode_blocks).view({num_decodes, decode_blocks});
   s.prefill_tables = next(num_prefills * prefill_blocks).view({num_prefills, prefill_blocks});
   s.block_size = block_size;
-  s.sliding_window = sliding_window;
   return s;
 }
 
@@ -184,7 +182,7 @@ DecoderStack::DecoderStack(const std::vector<std::map<std::string, torch::Tensor
                            const std::map<std::string, torch::Tensor>& final_norm, bool has_final_norm,
                            std::string norm, std::string norm_position, bool rotary, std::string activation,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                           double eps, double scale)
+                           double eps, double scale, const std::vector<int64_t>& windows)
     : has_final_norm_(has_final_norm), rms_(norm == "rms"), pre_norm_(norm_position == "pre"), rotary_(rotary),
       act_(std::move(activation)), H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate_size),
       eps_(eps), scale_(scale) {
@@ -194,15 +192,20 @@ DecoderStack::DecoderStack(const std::vector<std::map<std::string, torch::Tensor
                     "activation must be silu_and_mul, relu, gelu or silu, got ", act_);
   TORCH_CHECK_VALUE(pre_norm_ || !has_final_norm_, "a post-norm stack has no final norm");
   TORCH_CHECK_VALUE(!layers.empty() && H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && I_ > 0, "bad decoder sizes");
+  TORCH_CHECK_VALUE(windows.size() == layers.size(), "one sliding window per layer expected, got ", windows.size(),
+                    " for ", layers.size(), " layers");
   const auto& qkv = take(layers[0], "qkv.packed", true);
   hidden_ = qkv.dim() == 3 ? (qkv.size(2) == 32 ? 2 * qkv.size(1) : qkv.size(1)) : 0;
   const std::vector<std::string> known = {
       "attn_norm.weight", "attn_norm.bias", "mlp_norm.weight", "mlp_norm.bias", "qkv.packed", "qkv.scale",
       "qkv.bias", "o.packed", "o.scale", "o.bias", "up.packed", "up.scale", "up.bias", "down.packed",
       "down.scale", "down.bias", "k_cache", "v_cache"};
-  for (const auto& t : layers) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& t = layers[i];
     check_names(t, known);
     StackLayer l;
+    TORCH_CHECK_VALUE(windows[i] >= 0, "a sliding window must be >= 0 (0: none), got ", windows[i]);
+    l.window = windows[i];
     l.attn_norm = take_norm(t, "attn_norm.", rms_, hidden_);
     l.mlp_norm = take_norm(t, "mlp_norm.", rms_, hidden_);
     l.qkv = take_linear(t, "qkv", hidden_, (H_ + 2 * Hkv_) * D_);
@@ -262,7 +265,7 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor cos, torch::T
     auto k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
     auto v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
     if (rotary_) rotary_embedding(q, k, cos, sin);
-    auto o = linear(attention(q, k, v, w.k_cache, w.v_cache, step, scale_), w.o.packed, w.o.scale, w.o.bias, w.o.n);
+    auto o = linear(attention(q, k, v, w.k_cache, w.v_cache, step, scale_, w.window), w.o.packed, w.o.scale, w.o.bias, w.o.n);
     if (pre_norm_) {
       h = add_norm(o, residual, w.mlp_norm);
     } else {

@@ -17,8 +17,7 @@ namespace {
 // Returns the views of the flat lists before the slot mapping (input ids, positions) and the step.
 py::tuple step_from_ints(const py::list& ints, const py::list& decode_tables, const py::list& prefill_tables,
                          int64_t num_flat, int64_t num_tokens, int64_t num_decodes, int64_t decode_blocks,
-                         int64_t decode_first_row, int64_t num_prefills, int64_t prefill_blocks, int64_t block_size,
-                         int64_t sliding_window) {
+                         int64_t decode_first_row, int64_t num_prefills, int64_t prefill_blocks, int64_t block_size) {
   TORCH_CHECK(PyList_GET_SIZE(decode_tables.ptr()) == num_decodes &&
               PyList_GET_SIZE(prefill_tables.ptr()) == num_prefills, "one block table per sequence");
   const auto n = static_cast<int64_t>(PyList_GET_SIZE(ints.ptr()));
@@ -44,7 +43,7 @@ py::tuple step_from_ints(const py::list& ints, const py::list& decode_tables, co
   }
   auto step = pdserve::AttentionStep::from_buffer(buf, (num_flat - 1) * num_tokens, num_tokens, num_decodes,
                                                   decode_blocks, decode_first_row, num_prefills, prefill_blocks,
-                                                  block_size, sliding_window);
+                                                  block_size);
   TORCH_CHECK(step.prefill_tables.data_ptr<int64_t>() + step.prefill_tables.numel() == p,
               "the step's integers do not match its layout");
   py::list flat;
@@ -99,16 +98,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("prefill_q_lens", &pdserve::AttentionStep::prefill_q_lens)
       .def_readonly("prefill_tables", &pdserve::AttentionStep::prefill_tables)
       .def_readonly("prefill_ctx", &pdserve::AttentionStep::prefill_ctx)
-      .def_readonly("block_size", &pdserve::AttentionStep::block_size)
-      .def_readonly("sliding_window", &pdserve::AttentionStep::sliding_window);
+      .def_readonly("block_size", &pdserve::AttentionStep::block_size);
   py::class_<pdserve::DecoderStack>(m, "DecoderStack", "a decoder's layers in one call, after its recipe (decoder_cpu.cpp)",
                                     py::module_local())
       .def(py::init<const std::vector<std::map<std::string, torch::Tensor>>&, const std::map<std::string, torch::Tensor>&,
                     bool, std::string, std::string, bool, std::string, int64_t, int64_t, int64_t, int64_t, double,
-                    double>(),
+                    double, const std::vector<int64_t>&>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("has_final_norm"), py::arg("norm"),
            py::arg("norm_position"), py::arg("rotary"), py::arg("activation"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"))
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"),
+           py::arg("windows"))
       .def_property_readonly("num_layers", &pdserve::DecoderStack::num_layers)
       .def("forward", &pdserve::DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE on q and k in place (rotary_cpu.cpp)",
