@@ -228,6 +228,10 @@ class EngineConfig:
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's "
                                        "max_position_embeddings)", min=1)
     seed: int = option(0, "seed for requests that give none")
+    generation_config: str = option("auto", "default sampling of requests (temperature, top_p, top_k, min_p, "
+                                    "repetition_penalty; max_new_tokens as max_tokens), as vLLM: auto = the model's "
+                                    "generation_config.json, DIR = DIR/generation_config.json, vllm = ignore it; a "
+                                    "request's own fields override (docs/API.md)", metavar="auto|vllm|DIR")
     quantization: str | None = option(None, "weight-only int8 linears (per-channel scales; CPU kernels only)",
                                       choices=["int8"])
     cpu_kernels: bool | None = option(None, "CPU: linears, attention, norms and rotary on pdserve's own kernels "
@@ -352,6 +356,12 @@ class EngineConfig:
                                                  self.max_num_seqs, self.max_num_batched_tokens)
             self.max_num_seqs = self.max_num_batched_tokens
         self.speculative()   # checked here, so a bad value fails before anything loads
+        self.generation_defaults()   # likewise: a missing DIR or a bad value in the file
+
+    def generation_defaults(self):
+        """The default sampling of requests (pdserve/generation_config.py)."""
+        from pdserve.generation_config import load_generation_defaults
+        return load_generation_defaults(self.generation_config, self.model)
 
     def speculative(self):
         """The speculative decoding asked for (pdserve/spec_decode/config.py), or None."""

@@ -109,7 +109,8 @@ def test_per_layer_type_parameters_as_gemma3(tmp_path):
     rope_local_base_freq + rope_scaling (the global layers' only), as Gemma3TextConfig reads them."""
     base = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, head_dim=16, max_position_embeddings=MAX_POS)
-    t4 = {**base, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    t4 = {**base, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
     hf = transformers.Gemma3TextConfig(**t4)
     t5 = {**base, "rope_parameters": hf.rope_parameters}
     for raw in (t4, t5):
