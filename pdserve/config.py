@@ -29,6 +29,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: str | None
     raw: dict = field(repr=False)  # the whole config.json, for family-specific fields
+    # the longest sequence served (the engine's max_model_len; None: max_position_embeddings):
+    # longrope picks its factor set by it (pdserve/layers/rotary.py)
+    max_model_len: int | None = None
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -68,25 +71,30 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(f"{file}: num_attention_heads={self.num_heads} is not a multiple of "
                                   f"num_key_value_heads={self.num_kv_heads}")
+        for layer_type in rope_layer_types(self.raw) or [None]:   # a bad rope fails here, before loading
+            self.rope_parameters(layer_type)
 
-    # --- Llama-family details -------------------------------------------------------------------
+    # --- RoPE ---------------------------------------------------------------------------------
+    def rope_parameters(self, layer_type: str | None = None) -> dict:
+        """The RoPE of the model, or of one layer type where config.json gives one per type (Gemma 3's
+        full_attention / sliding_attention), normalised from either spelling: transformers-4's
+        rope_theta + rope_scaling ({type|rope_type, ...}) or transformers-5's rope_parameters. Returns
+        {rope_type, rope_theta, [partial_rotary_factor], the type's keys}, with the defaults transformers
+        fills in (original_max_position_embeddings, yarn's and longrope's factor). Refuses in one line
+        (CheckpointError) a type or a key pdserve cannot serve exactly."""
+        return normalise_rope(self, layer_type)
+
     @property
     def rope_theta(self) -> float:
-        params = self.raw.get("rope_parameters") or {}
-        return float(params.get("rope_theta", self.raw.get("rope_theta", 10000.0)))
+        return self.rope_parameters()["rope_theta"]
 
     @property
     def rope_scaling(self) -> dict | None:
-        """The RoPE scaling dict, or None for plain RoPE. Only 'llama3' (and 'default') are supported."""
-        params = dict(self.raw.get("rope_scaling") or self.raw.get("rope_parameters") or {})
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind == "default":
-            return None
-        if kind != "llama3":
-            raise CheckpointError(f"{os.path.join(self.path, 'config.json')}: rope scaling type {kind!r} "
-                                  "is not supported (supported: default, llama3)")
-        return params
+        """The rope dict (rope_parameters()) that RotaryEmbedding takes, or None for plain RoPE."""
+        params = self.rope_parameters()
+        return None if params["rope_type"] == "default" else params
 
+    # --- Llama-family details -------------------------------------------------------------------
     @property
     def sliding_window(self) -> int | None:
         """The window of the model's sliding-window layers (None: none has one); which layers have
@@ -120,6 +128,98 @@ class ModelConfig:
         return float(self.raw.get("rms_norm_eps", 1e-6))
 
 
+# rope type -> (required keys, optional keys) besides rope_type, rope_theta, partial_rotary_factor
+ROPE_KEYS = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "dynamic": (("factor",), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+    "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"), ("factor", "attention_factor")),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+}
+ROPE_ALIASES = {"su": "longrope"}   # Phi-3's first name for it
+
+
+def rope_layer_types(raw: dict) -> list[str]:
+    """The layer types of a per-layer-type rope_parameters ({"full_attention": {...}, ...}), else []."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) or v is None for v in params.values()):
+        return list(params)
+    return []
+
+
+def normalise_rope(cfg: "ModelConfig", layer_type: str | None) -> dict:
+    """ModelConfig.rope_parameters, reading cfg.raw as transformers' standardize_rope_params does."""
+    raw, file = cfg.raw, os.path.join(cfg.path, "config.json")
+    nested = rope_layer_types(raw)
+    if nested:
+        if layer_type is None:
+            raise CheckpointError(f"{file}: rope_parameters is given per layer type ({', '.join(nested)}), "
+                                  f"but {cfg.architecture} has one RoPE for all layers")
+        if raw["rope_parameters"].get(layer_type) is None:
+            raise CheckpointError(f"{file}: rope_parameters has no entry for layer type {layer_type!r}")
+        params = dict(raw["rope_parameters"][layer_type])
+    elif layer_type == "sliding_attention" and "rope_local_base_freq" in raw:
+        # transformers-4 Gemma 3: sliding layers use plain RoPE at their own base, rope_scaling is the global ones'
+        params = {"rope_type": "default", "rope_theta": raw["rope_local_base_freq"]}
+    else:
+        params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+        if not isinstance(params, dict):
+            raise CheckpointError(f"{file}: rope_scaling / rope_parameters must be an object, got {params!r}")
+        params = dict(params)
+    kind = params.pop("type", None)
+    kind = params.setdefault("rope_type", kind or "default")
+    kind = params["rope_type"] = ROPE_ALIASES.get(kind, kind)
+    if kind not in ROPE_KEYS:
+        raise CheckpointError(f"{file}: rope scaling type {kind!r} is not supported "
+                              f"(supported: {', '.join(ROPE_KEYS)})")
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    partial = raw.get("partial_rotary_factor", raw.get("rotary_pct"))
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    if "original_max_position_embeddings" in ROPE_KEYS[kind][0]:
+        # as transformers: a top-level value (Phi-3 keeps it there) wins, else the model's length
+        if not nested and "original_max_position_embeddings" in raw:
+            params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+    required, _ = ROPE_KEYS[kind]
+    for key in required:
+        if key not in params:
+            raise CheckpointError(f"{file}: rope type {kind!r} needs {key!r} in its rope parameters")
+    if kind in ("yarn", "longrope") and params.get("factor") is None:
+        params["factor"] = cfg.max_position_embeddings / params["original_max_position_embeddings"]
+    if kind == "longrope":   # pdserve's: the served length, which picks the factor set (layers/rotary.py)
+        params["max_model_len"] = cfg.max_model_len or cfg.max_position_embeddings
+    _check_rope(params, cfg.head_dim, f"{file}: rope parameters ({kind})")
+    return params
+
+
+def _check_rope(p: dict, head_dim: int, where: str):
+    def number(key, low=0.0):
+        v = p.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not low < v < float("inf")):
+            raise CheckpointError(f"{where}: {key} must be a number > {low:g}, got {v!r}")
+
+    for key in ("rope_theta", "factor", "attention_factor", "low_freq_factor", "high_freq_factor",
+                "beta_fast", "beta_slow", "original_max_position_embeddings"):
+        number(key)
+    number("partial_rotary_factor")
+    prf = p.get("partial_rotary_factor", 1.0)
+    if prf > 1:
+        raise CheckpointError(f"{where}: partial_rotary_factor must be in (0, 1], got {prf!r}")
+    dim = int(head_dim * prf)
+    if dim < 2 or dim % 2:
+        raise CheckpointError(f"{where}: the rotary dim head_dim x partial_rotary_factor = {dim} must be even")
+    if p["rope_type"] == "llama3" and p["high_freq_factor"] <= p["low_freq_factor"]:
+        raise CheckpointError(f"{where}: high_freq_factor must be greater than low_freq_factor")
+    for key in ("short_factor", "long_factor"):
+        v = p.get(key)
+        if p["rope_type"] == "longrope" and not (isinstance(v, list) and len(v) == dim // 2 and all(
+                not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf") for x in v)):
+            raise CheckpointError(f"{where}: {key} must be {dim // 2} positive numbers (one per rotated pair)")
+
+
 def option(default, help: str, repr: bool = True, **argparse_kwargs):
     """A config field that is also a command-line flag (--field-name), its help shown by --help:
     pdserve/engine/args.py generates the flags from these. `min` bounds an integer from below
@@ -150,6 +250,10 @@ class EngineConfig:
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's "
                                        "max_position_embeddings)", min=1)
     seed: int = option(0, "seed for requests that give none")
+    generation_config: str = option("auto", "default sampling of requests (temperature, top_p, top_k, min_p, "
+                                    "repetition_penalty; max_new_tokens as max_tokens), as vLLM: auto = the model's "
+                                    "generation_config.json, DIR = DIR/generation_config.json, vllm = ignore it; a "
+                                    "request's own fields override (docs/API.md)", metavar="auto|vllm|DIR")
     quantization: str | None = option(None, "weight-only int8 linears (per-channel scales; CPU kernels only)",
                                       choices=["int8"])
     cpu_kernels: bool | None = option(None, "CPU: linears, attention, norms and rotary on pdserve's own kernels "
@@ -274,6 +378,12 @@ class EngineConfig:
                                                  self.max_num_seqs, self.max_num_batched_tokens)
             self.max_num_seqs = self.max_num_batched_tokens
         self.speculative()   # checked here, so a bad value fails before anything loads
+        self.generation_defaults()   # likewise: a missing DIR or a bad value in the file
+
+    def generation_defaults(self):
+        """The default sampling of requests (pdserve/generation_config.py)."""
+        from pdserve.generation_config import load_generation_defaults
+        return load_generation_defaults(self.generation_config, self.model)
 
     def speculative(self):
         """The speculative decoding asked for (pdserve/spec_decode/config.py), or None."""

@@ -1,5 +1,6 @@
 """The offline API: `LLM(path).generate(prompts, SamplingParams(...))`."""
 import dataclasses
+import logging
 from collections.abc import Iterator
 
 from pdserve.engine.llm_engine import LLMEngine
@@ -18,6 +19,15 @@ class LLM:
         self.engine = LLMEngine(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
+        self.generation = self.engine.config.generation_defaults()
+        if self.generation.source is not None:
+            logging.getLogger("pdserve").info("generation defaults: %s", self.generation.describe())
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses when given no SamplingParams (vLLM's LLM.get_default_sampling_params):
+        SamplingParams' defaults under generation_config.json's (--generation-config)."""
+        max_tokens = {"max_tokens": self.generation.max_tokens} if self.generation.max_tokens else {}
+        return SamplingParams(**self.generation.sampling_kwargs({}), **max_tokens)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -46,7 +56,7 @@ class LLM:
     def _add(self, prompts, params, final_only: bool = False) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")

@@ -41,6 +41,7 @@ class LLMEngine:
             torch.set_num_threads(self.config.threads or len(os.sched_getaffinity(0)))
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.model_config.max_model_len = self.max_model_len   # the served length longrope's tables follow
         self.runner = ModelRunner(self.model_config, self.config, self.max_model_len, self.tokenizer.eos_token_ids)
         if self.config.device == "cpu":
             logger.info("CPU: %d threads; %s", torch.get_num_threads(), self.runner.backend.describe())

@@ -10,6 +10,7 @@ from fastapi import Request
 
 from pdserve import __version__
 from pdserve.errors import RequestError
+from pdserve.generation_config import GenerationDefaults
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.async_engine import AsyncEngine, EngineThread, Submission
 from pdserve.server.errors import APIError, Overloaded
@@ -57,6 +58,10 @@ class ServerState:
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
                                         engine_thread, self.step_events)
         self.created = int(time.time())
+        # generation_config.json's sampling defaults (--generation-config); a test's stand-in engine has none
+        engine_config = getattr(engine, "config", None)
+        self.generation = engine_config.generation_defaults() if hasattr(engine_config, "generation_defaults") \
+            else GenerationDefaults()
         self.version = __version__
         # A prompt longer than this many characters has more tokens than the cap (Tokenizer.max_token_chars):
         # refused before any tokenizing.
@@ -146,6 +151,20 @@ class ServerState:
         cap = self.config.max_tokens_cap
         return wanted if cap is None else min(wanted, cap)
 
+    def request_max_tokens(self, asked: int | None, default: int, num_seqs: int, logprobs: int | None,
+                           room: int | None = None, generation: bool = True) -> int:
+        """A request's max_tokens, decided here for every endpoint: the client's (checked against
+        --max-tokens-cap); else generation_config.json's max_new_tokens (unless generation=False), else
+        the endpoint's `default`. A default is lowered to `room` (the context left, as vLLM's
+        get_max_tokens), --max-tokens-cap and --max-request-cost, and is at least 1."""
+        if asked is not None:
+            self.check_max_tokens(asked)
+            return asked
+        wanted = (self.generation.max_tokens if generation else None) or default
+        if room is not None:
+            wanted = min(wanted, room)
+        return self.cost_default(max(1, self.default_max_tokens(wanted)), num_seqs, logprobs)
+
     def check_prompt_len(self, prompts: list[list[int]], param: str = "prompt") -> None:
         cap = self.config.max_prompt_tokens
         longest = max(len(p) for p in prompts)
@@ -189,10 +208,12 @@ class ServerState:
                 raise RequestError("prompt must not be empty", param="prompt")
         return prompt   # the engine checks the ids against the model's vocabulary
 
-    def sampling_params(self, n: int, seed: int | None, **kwargs) -> list[SamplingParams]:
-        """One SamplingParams per choice. A seeded request's choice i gets seed + i (wrapping
-        past 2**64 - 1 to 0, so every seed the client may send works with any n): the choices
-        differ, and the same request gives the same choices again."""
+    def sampling_params(self, n: int, seed: int | None, fallback: dict | None = None, **kwargs) -> list[SamplingParams]:
+        """One SamplingParams per choice, of the fields the request set (kwargs) over the generation
+        config's defaults over the endpoint's `fallback`. A seeded request's choice i gets seed + i
+        (wrapping past 2**64 - 1 to 0, so every seed the client may send works with any n): the
+        choices differ, and the same request gives the same choices again."""
+        kwargs = self.generation.sampling_kwargs(kwargs, fallback)
         def choice_seed(i: int) -> int | None:
             if seed is None or not isinstance(seed, int) or seed >= 2**64:
                 return seed   # SamplingParams refuses it, naming the value sent

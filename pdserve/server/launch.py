@@ -343,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     log = logging.getLogger("pdserve.server")
     log.info("model %s: %s", config.served_model_name, capacity(engine, args))
+    log.info("generation defaults: %s", app.state.pdserve.generation.describe())
     log.info("serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
     server.run(sockets=[sock])
     return 0 if server.started else 1

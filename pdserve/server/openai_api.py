@@ -119,11 +119,9 @@ async def completions(body: CompletionRequest, request: Request):
     s.check_queue(num_seqs, "n" if body.n > 1 else "prompt")   # before the tokenizer: a full queue is refused at once
     grammar = body.grammar_spec()
     await check_grammar(s.engine, grammar)
-    if body.max_tokens is None or "max_tokens" not in body.model_fields_set:
-        max_tokens = s.cost_default(s.default_max_tokens(16), num_seqs, body.logprobs)
-    else:
-        s.check_max_tokens(body.max_tokens)
-        max_tokens = body.max_tokens
+    # left out, max_tokens is OpenAI's (and vLLM's) 16; only an explicit null takes max_new_tokens, as vLLM
+    max_tokens = s.request_max_tokens(body.max_tokens, 16, num_seqs, body.logprobs,
+                                      generation="max_tokens" in body.model_fields_set)
     s.check_cost(num_seqs, max_tokens, body.logprobs)
     prompts = await s.prompt_ids(body.prompt)
     s.check_prompt_len(prompts)
@@ -259,15 +257,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if not prompt:
         raise RequestError("messages render to an empty prompt", param="messages")
     s.check_prompt_len([prompt], param="messages")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:
-        # OpenAI's chat default: as many as can be served, within the context and the KV cache
-        # (and --max-tokens-cap). If the prompt alone is too long, asking for one token lets the
-        # engine report the lengths.
-        max_tokens = max(1, s.default_max_tokens(s.max_seq_len - len(prompt)))
-        max_tokens = s.cost_default(max_tokens, body.n, logprobs)   # and --max-request-cost
-    else:
-        s.check_max_tokens(max_tokens)
+    # OpenAI's chat default: as many as can be served, within the context and the KV cache (or
+    # max_new_tokens). If the prompt alone is too long, asking for one token lets the engine report the lengths.
+    room = s.max_seq_len - len(prompt)
+    max_tokens = s.request_max_tokens(body.max_completion_tokens if body.max_completion_tokens is not None
+                                      else body.max_tokens, room, body.n, logprobs, room=room)
     params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, final_only=not body.stream,
                                grammar=grammar, **body.sampling_kwargs())
     request_id, sub = await s.submit([prompt] * body.n, params, arrival, "chatcmpl")

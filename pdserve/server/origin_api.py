@@ -13,7 +13,6 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from pdserve.sampling_params import SamplingParams
 from pdserve.server.errors import APIError
 from pdserve.server.protocol import BasicGenerateRequest, GenerateRequest, GenerateStreamRequest
 from pdserve.server.admission import get_state
@@ -26,18 +25,19 @@ async def _submit(request: Request, body, prompts: list[str], param: str = "prom
     arrival = time.perf_counter()
     s = get_state(request)
     s.check_queue(len(prompts), param)   # before the tokenizer: a full queue is refused at once
-    if "max_tokens" in body.model_fields_set:
-        s.check_max_tokens(body.max_tokens)
-        max_tokens = body.max_tokens
-    else:
-        max_tokens = s.cost_default(s.default_max_tokens(body.max_tokens), len(prompts), None)
+    fields = body.model_fields_set
+    max_tokens = s.request_max_tokens(body.max_tokens if "max_tokens" in fields else None, body.max_tokens,
+                                      len(prompts), None)
     s.check_cost(len(prompts), max_tokens, None)
     ids = await s.encode(prompts, param)
     s.check_prompt_len(ids, param)
     # The origin had no context limit to speak of: stop at the context rather than refuse
     # (a prompt that fills the context alone is still refused, by the engine).
-    params = [SamplingParams(max_tokens=min(max_tokens, max(1, s.max_model_len - len(p))),
-                             temperature=body.temperature, final_only=not stream) for p in ids]
+    # the origin's greedy default gives way to generation_config.json's temperature, a request's to neither
+    asked = {"temperature": body.temperature} if "temperature" in fields else {}
+    params = [p for i in ids for p in s.sampling_params(1, None, fallback={"temperature": body.temperature},
+                                                        max_tokens=min(max_tokens, max(1, s.max_model_len - len(i))),
+                                                        final_only=not stream, **asked)]
     _, sub = await s.submit(ids, params, arrival, "gen")
     return sub
 

@@ -35,7 +35,11 @@ def edit_config(d, **changes):
     (lambda d: edit_config(d, intermediate_size=96), "implies"),
     (lambda d: edit_config(d, num_hidden_layers=3), "missing tensor 'model.layers.2"),
     (lambda d: edit_config(d, num_key_value_heads=3), "not a multiple"),
-    (lambda d: edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 2.0}), "'yarn' is not supported"),
+    (lambda d: edit_config(d, rope_parameters={"rope_type": "proportional", "rope_theta": 1e4}),
+     "'proportional' is not supported"),
+    (lambda d: edit_config(d, rope_parameters={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
+     "short_factor must be 8 positive numbers"),
+    (lambda d: edit_config(d, rope_parameters={"rope_type": "yarn"}), "'yarn' needs 'factor'"),
 ])
 def test_bad_checkpoint(ckpt, breakage, expected):
     breakage(ckpt)

@@ -36,11 +36,14 @@ class CpuRMSNorm(RMSNorm):
 
 
 class CpuRotaryEmbedding(RotaryEmbedding):
-    """Its fp32 Rope rotates q and k in place by kernels/rotary_cpu.cpp."""
+    """Its fp32 Rope rotates q and k in place by kernels/rotary_cpu.cpp, which rotates whole heads:
+    partial rotary (rotary_dim < head_dim) stays on torch's ops."""
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         rope = super().lookup(positions, dtype)
-        return rope._replace(rotate=cpu_ops().rotary_embedding) if dtype == torch.float32 else rope
+        if dtype != torch.float32 or self.rotary_dim < self.head_dim:
+            return rope
+        return rope._replace(rotate=cpu_ops().rotary_embedding)
 
 
 class CpuPagedAttention(PagedAttention):
