@@ -1,9 +1,9 @@
 """`python -m tools.make_model`: write a real HF checkpoint with random weights and a trained tokenizer.
 
-The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral) and saved with
-`save_pretrained(safe_serialization=True)`; the tokenizer is a byte-level BPE trained with HF
-`tokenizers` on the corpus shipped in tools/corpus, following each family's
-special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
+The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral, Gemma 2, Gemma 3
+(text), Phi-3) and saved with `save_pretrained(safe_serialization=True)`; the tokenizer is a
+byte-level BPE trained with HF `tokenizers` on the corpus shipped in tools/corpus, following each
+family's special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
 give identical ids. Tests build tiny checkpoints with this; `--size 0.5b` gives a
 Qwen2.5-0.5B-shaped model for benchmarks.
 
@@ -23,10 +23,14 @@ that drops a bias or a norm weight produces different tokens. Measured on the ti
     ours: opt                          1.50     0.25       0.2%
     ours: opt 350m-style (post-LN)     3.53     0.44       0.1%
     ours: llama, llama3 rope, tied     1.62     0.25       0.2%
+    ours: gemma2 (caps 5 / 30)         1.46     0.20       0.6%
+    ours: gemma3 (final cap 30)        1.36     0.18       0.4%
+    ours: phi3                         1.47     0.27       0.8%
     (qwen2 0.5b, 64 positions:         1.80)
 
 Logits stay finite (|logit| < 100), changing one early prompt token changes about 40-55% of
-later greedy predictions (attention matters), and greedy continuations differ across prompts.
+later greedy predictions (attention matters; 17% on gemma, whose local layer has a 16-token
+window), and greedy continuations differ across prompts.
 tests/test_make_model.py re-checks this for every arch.
 """
 import argparse
@@ -218,7 +222,8 @@ def gemma_config(arch: str, kw: dict, overrides: dict):
     import transformers
 
     kw = dict(kw, hidden_activation="gelu_pytorch_tanh", head_dim=kw["hidden_size"] // kw["num_attention_heads"],
-              query_pre_attn_scalar=32, sliding_window=16, tie_word_embeddings=True, final_logit_softcapping=GEMMA_FINAL_CAP)
+              query_pre_attn_scalar=32, sliding_window=16, tie_word_embeddings=True,
+              final_logit_softcapping=GEMMA_FINAL_CAP)
     if arch == "gemma2":
         return transformers.Gemma2Config(**{**kw, "attn_logit_softcapping": GEMMA2_ATTN_CAP, **overrides})
     # Gemma 3: the local layers' RoPE base apart from the global one's, q/k norms (in the weights)

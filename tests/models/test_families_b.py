@@ -142,7 +142,8 @@ def transformers4_spelling(config: dict) -> dict:
     if "full_attention" in rope:
         changes.update(rope_theta=rope["full_attention"]["rope_theta"],
                        rope_local_base_freq=rope["sliding_attention"]["rope_theta"], _sliding_window_pattern=None)
-        assert config["sliding_window_pattern"] == 2 and config["layer_types"] == ["sliding_attention", "full_attention"]
+        assert config["sliding_window_pattern"] == 2
+        assert config["layer_types"] == ["sliding_attention", "full_attention"]
     else:
         changes.update(rope_theta=rope["rope_theta"])
     if config["model_type"] == "gemma2":   # transformers' Gemma 2 always alternates, local first
