@@ -1,9 +1,9 @@
 """`python -m tools.make_model`: write a real HF checkpoint with random weights and a trained tokenizer.
 
-The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral) and saved with
-`save_pretrained(safe_serialization=True)`; the tokenizer is a byte-level BPE trained with HF
-`tokenizers` on the corpus shipped in tools/corpus, following each family's
-special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
+The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral, Gemma 2, Gemma 3
+(text), Phi-3) and saved with `save_pretrained(safe_serialization=True)`; the tokenizer is a
+byte-level BPE trained with HF `tokenizers` on the corpus shipped in tools/corpus, following each
+family's special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
 give identical ids. Tests build tiny checkpoints with this; `--size 0.5b` gives a
 Qwen2.5-0.5B-shaped model for benchmarks.
 
@@ -23,10 +23,14 @@ that drops a bias or a norm weight produces different tokens. Measured on the ti
     ours: opt                          1.50     0.25       0.2%
     ours: opt 350m-style (post-LN)     3.53     0.44       0.1%
     ours: llama, llama3 rope, tied     1.62     0.25       0.2%
+    ours: gemma2 (caps 5 / 30)         1.46     0.20       0.6%
+    ours: gemma3 (final cap 30)        1.36     0.18       0.4%
+    ours: phi3                         1.47     0.27       0.8%
     (qwen2 0.5b, 64 positions:         1.80)
 
 Logits stay finite (|logit| < 100), changing one early prompt token changes about 40-55% of
-later greedy predictions (attention matters), and greedy continuations differ across prompts.
+later greedy predictions (attention matters; 17% on gemma, whose local layer has a 16-token
+window), and greedy continuations differ across prompts.
 tests/test_make_model.py re-checks this for every arch.
 """
 import argparse
@@ -39,11 +43,13 @@ import shutil
 from tools import CORPUS_DIR
 from pdserve.errors import CheckpointError
 
-ARCHS = ("opt", "llama", "qwen2", "mistral")
+ARCHS = ("opt", "llama", "qwen2", "mistral", "gemma2", "gemma3", "phi3")
 SIZES = ("tiny", "0.5b")
 INIT_GAIN = 2.0  # weight matrices: std = INIT_GAIN / sqrt(fan_in), 0.25 at width 64
 EMBED_GAIN = 8.0  # embeddings and lm_head: std = EMBED_GAIN / sqrt(dim), 1.0 at 64; sets the logit scale
 ONE_D_STD = 0.1  # spread of biases and norm weights
+GEMMA2_ATTN_CAP = 5.0
+GEMMA_FINAL_CAP = 30.0
 
 # Pre-tokenizer regexes: GPT-4/Llama-3 style (digits in groups of up to 3) and Qwen2's (single
 # digits). Qwen2's must be exact: transformers always loads qwen2 tokenizers as Qwen2Tokenizer,
@@ -61,6 +67,20 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 CHATML_BOS = "{{ bos_token }}" + CHATML
+# Gemma's turns (the assistant is "model") and Phi-3's role tags
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n'"
+    " + message['content'] + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+PHI3_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 
 # Each family's special tokens. `leading` are trained in at ids 0.. (as OPT/Llama/Mistral have
 # them); `trailing` are appended after the learned vocabulary (as Qwen2 has them).
@@ -75,6 +95,14 @@ FAMILIES = {
                   template=CHATML, extra_eos=["<|im_end|>"]),
 }
 FAMILIES["mistral"] = FAMILIES["llama"]
+FAMILIES["gemma2"] = FAMILIES["gemma3"] = dict(
+    leading=["<pad>", "<eos>", "<bos>", "<unk>"], trailing=["<start_of_turn>", "<end_of_turn>"], bos="<bos>",
+    eos="<eos>", pad="<pad>", unk="<unk>", add_bos=True, regex=LLAMA3_REGEX, nfc=False, template=GEMMA_TEMPLATE,
+    extra_eos=["<end_of_turn>"])
+FAMILIES["phi3"] = dict(
+    leading=["<unk>", "<s>", "</s>"], trailing=["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+    bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>", unk="<unk>", add_bos=False, regex=LLAMA3_REGEX, nfc=False,
+    template=PHI3_TEMPLATE, extra_eos=["<|end|>"])
 
 # Model shapes. Tiny: fast CPU tests, grouped-query attention for the llama family.
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, opt_ffn=256, max_pos=1024, vocab=1500)
@@ -178,16 +206,50 @@ def build_config(arch: str, size: str, vocab_size: int, special_ids: dict, overr
         return transformers.LlamaConfig(**{**kw, **overrides})
     if arch == "mistral":
         return transformers.MistralConfig(**{**kw, "sliding_window": None, **overrides})
+    if arch in ("gemma2", "gemma3"):
+        return gemma_config(arch, kw, overrides)
+    if arch == "phi3":
+        return transformers.Phi3Config(**{**kw, "sliding_window": None, **overrides})
     return transformers.Qwen2Config(**{**kw, "use_sliding_window": False, **overrides})
 
 
+def gemma_config(arch: str, kw: dict, overrides: dict):
+    """Gemma 2 / Gemma 3 (text) at the tiny sizes: head_dim 16 (real Gemma's 256 is beyond the CPU
+    attention kernels, which take 16-128), local layers interleaved with global ones (layer 0 local,
+    layer 1 global) with a window shorter than the test prompts, an attention scale of its own, and
+    soft caps at the tiny model's scale: Gemma 2's attention cap below its largest scores (left out,
+    the tokens change) and the final cap near its largest logits (left out, the logits change)."""
+    import transformers
+
+    kw = dict(kw, hidden_activation="gelu_pytorch_tanh", head_dim=kw["hidden_size"] // kw["num_attention_heads"],
+              query_pre_attn_scalar=32, sliding_window=16, tie_word_embeddings=True,
+              final_logit_softcapping=GEMMA_FINAL_CAP)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**{**kw, "attn_logit_softcapping": GEMMA2_ATTN_CAP, **overrides})
+    # Gemma 3: the local layers' RoPE base apart from the global one's, q/k norms (in the weights)
+    kw = dict(kw, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=2)
+    return transformers.Gemma3TextConfig(**{**kw, **overrides})
+
+
 MODEL_CLASSES = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
+
+
+def norm_center(gemma: bool, name: str, dim: int) -> float:
+    """The mean of a norm's weights: 1. Gemma's norms scale by (1 + w), so w is drawn around 0, except
+    in its post-block norms: about sqrt(dim), so that the blocks' outputs weigh in the stream as
+    much as the embedding, which Gemma scales by sqrt(dim) (else attention hardly matters)."""
+    if not gemma:
+        return 1.0
+    return math.sqrt(dim) - 1.0 if ".post_" in name else 0.0
 
 
 def init_weights(model, seed: int) -> None:
     """Peaked random init (see module docstring); the std shrinks with width so 0.5b stays finite."""
     import torch
+
+    gemma = model.config.model_type.startswith("gemma")
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -199,7 +261,7 @@ def init_weights(model, seed: int) -> None:
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * ONE_D_STD)
             else:  # norm weights
-                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * ONE_D_STD)
+                p.copy_(norm_center(gemma, name, p.shape[0]) + torch.randn(p.shape, generator=gen) * ONE_D_STD)
 
 
 def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0, force: bool = False,

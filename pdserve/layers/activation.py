@@ -1,5 +1,6 @@
-"""SwiGLU's activation on the merged gate/up product: silu(gate) * up, by torch's silu and mul on
-the two halves (the CPU backend swaps in one pass of its kernel: backends/cpu/layers.py)."""
+"""Gated activations on the merged gate/up product: SwiGLU's silu(gate) * up, by torch's silu and
+mul on the two halves (the CPU backend swaps in one pass of its kernel: backends/cpu/layers.py),
+and Gemma's GeGLU, gelu_tanh(gate) * up."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,3 +11,13 @@ class SiluAndMul(nn.Module):
         """x: (..., 2I), gate then up. Returns (..., I)."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU with the tanh approximation of GELU (config hidden_activation gelu_pytorch_tanh, Gemma):
+    torch's gelu(approximate="tanh"), the function transformers calls for it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., 2I), gate then up. Returns (..., I)."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

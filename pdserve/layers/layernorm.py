@@ -28,3 +28,22 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores w as an offset from one, the output is norm(x) * (1 + w),
+    in fp32 and cast after the weight (transformers' Gemma order; Llama casts before). A backend
+    that reads the weight itself uses weight + weight_offset."""
+    weight_offset = 1.0
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)   # the identity scale, as transformers initialises it
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight.float() + self.weight_offset
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, scale, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * scale).to(x.dtype)

@@ -1,8 +1,10 @@
 """The architectures pdserve runs. Each class reads its family's config.json (config_fields) and
 names its input embedding (embed_module); this dict is the whole plugin system: a new Llama-like
 family is one more entry."""
+from pdserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.opt import OPTForCausalLM
+from pdserve.models.phi3 import Phi3ForCausalLM
 
 # HF architecture name -> our model class
 ARCHITECTURES = {
@@ -10,4 +12,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
