@@ -45,12 +45,18 @@ class ModelConfig:
                 raw = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-        if raw.get("auto_map"):
-            raise CheckpointError(f"{file}: declares auto_map, i.e. needs its own Python code (trust_remote_code); "
-                                  "pdserve runs no code from checkpoints, only its built-in architectures")
         from pdserve.models import ARCHITECTURES   # here: the models import this module
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if raw.get("auto_map"):
+            if arch is None:
+                raise CheckpointError(f"{file}: declares auto_map, i.e. needs its own Python code (trust_remote_code); "
+                                      "pdserve runs no code from checkpoints, only its built-in architectures")
+            # Phi-3's checkpoints (and others') still carry the remote code they shipped before
+            # transformers had the family: a built-in architecture runs as transformers runs it
+            # without trust_remote_code, the checkpoint's code never.
+            logging.getLogger("pdserve").warning("%s: declares auto_map (remote code), which pdserve never runs; "
+                                                 "served as the built-in %s", file, arch)
         if arch is None:
             raise CheckpointError(f"{file}: unsupported architecture {archs or 'none given'}; "
                                   f"supported: {', '.join(ARCHITECTURES)}")

@@ -88,7 +88,8 @@ def test_no_hub_and_no_transformers(tiny_llama):
 
 def test_remote_code_is_refused_in_one_line(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}))
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "architectures": ["CustomForCausalLM"],
+                                                  "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}))
     for args in (["--model", str(ckpt)], ["--trust-remote-code"]):
         r = subprocess.run([sys.executable, "-m", "pdserve", "serve", *args, "--port", "1"],
                            capture_output=True, text=True, timeout=120)
@@ -96,3 +97,20 @@ def test_remote_code_is_refused_in_one_line(ckpt):
         assert r.returncode == 2 and len(lines) == 1, r.stderr
         assert "runs no code from checkpoints" in lines[0] or "never runs code from checkpoints" in lines[0]
         assert ("auto_map" if args[0] == "--model" else "--trust-remote-code is not supported") in lines[0]
+
+
+def test_remote_code_of_a_built_in_architecture_is_never_run(tiny_llama, tmp_path, caplog):
+    """Phi-3's checkpoints still carry the auto_map of before transformers had the family: a built-in
+    architecture is served by pdserve's own class (as transformers does without trust_remote_code),
+    with a warning; the checkpoint's code is never imported."""
+    import logging
+    import shutil
+    from pdserve.config import ModelConfig
+    ckpt = tmp_path / "with-auto-map"
+    shutil.copytree(tiny_llama, ckpt)
+    (ckpt / "modeling_x.py").write_text("raise SystemExit('remote code ran')\n")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}))
+    with caplog.at_level(logging.WARNING, logger="pdserve"):
+        assert ModelConfig.from_dir(str(ckpt)).architecture == "LlamaForCausalLM"
+    assert any("never runs" in r.getMessage() for r in caplog.records)

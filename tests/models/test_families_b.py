@@ -250,7 +250,7 @@ def test_gemma3_linear_rope_scaling_of_the_global_layers_is_exact(make_tiny):
 # ------------------------------------------------------------------ the Hub's own config.json files
 
 # As the Hub ships them (transformers-4 spelling), trimmed to the keys the model reads. Phi-3's
-# also carry an auto_map (their first remote code), which config.py refuses today: left out here.
+# also carry an auto_map (their first remote code), never run: the built-in class serves it.
 GEMMA3_1B = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", attn_logit_softcapping=None,
                  final_logit_softcapping=None, head_dim=256, hidden_activation="gelu_pytorch_tanh", hidden_size=1152,
                  intermediate_size=6912, max_position_embeddings=32768, num_attention_heads=4, num_hidden_layers=26,
@@ -267,7 +267,9 @@ PHI3_MINI_4K = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden
                     intermediate_size=8192, max_position_embeddings=4096, num_attention_heads=32,
                     num_hidden_layers=32, num_key_value_heads=32, original_max_position_embeddings=4096,
                     rms_norm_eps=1e-5, rope_scaling=None, rope_theta=10000.0, sliding_window=2047,
-                    tie_word_embeddings=False, vocab_size=32064, torch_dtype="bfloat16")
+                    tie_word_embeddings=False, vocab_size=32064, torch_dtype="bfloat16",
+                    auto_map={"AutoConfig": "configuration_phi3.Phi3Config",
+                              "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"})
 
 
 def meta_model(config: dict, tmp_path):
