@@ -20,6 +20,7 @@ from pdserve.engine.policy import make_policy
 from pdserve.engine.profiler import StepProfiler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.threads import ThreadTuner
 from pdserve.errors import RequestError, SLOUnattainable
 from pdserve.kv_transfer import make_connector
 from pdserve.sampling_params import SamplingParams
@@ -43,8 +44,14 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.model_config.max_model_len = self.max_model_len   # the served length longrope's tables follow
         self.runner = ModelRunner(self.model_config, self.config, self.max_model_len, self.tokenizer.eos_token_ids)
+        # with no --threads the count follows the machine: fewer while other work takes cores (threads.py)
+        self.threads = None
+        if self.config.device == "cpu" and self.config.threads is None and torch.get_num_threads() > 1:
+            self.threads = ThreadTuner(torch.get_num_threads(), torch.set_num_threads)
         if self.config.device == "cpu":
-            logger.info("CPU: %d threads; %s", torch.get_num_threads(), self.runner.backend.describe())
+            logger.info("CPU: %d threads%s; %s", torch.get_num_threads(),
+                        " (fewer while other work takes the cores)" if self.threads else "",
+                        self.runner.backend.describe())
         else:
             logger.info("%s", self.runner.backend.describe())
         c = self.config
@@ -176,6 +183,8 @@ class LLMEngine:
             t = self.connector.stats
             kv = dict(kv_transfer_bytes=t.bytes, kv_transfer_seconds=t.seconds, kv_transfers=t.transfers,
                       kv_transfer_failures=t.failures, kv_leases=len(self.connector.leases or ()))
+        if self.threads is not None:
+            kv.update(cpu_threads=self.threads.current, cpu_thread_changes=self.threads.num_changes)
         return EngineStats(len(sc.running), len(sc.waiting) + len(sc.loading), bm.num_free_blocks,
                            bm.num_blocks, bm.num_queries, bm.num_hits,
                            None if self.speculator is None else self.speculator.stats, **kv)
@@ -206,7 +215,15 @@ class LLMEngine:
                 self.fault_hook(sched)
             if self.cost_model is not None:   # before the step advances num_computed_tokens
                 features = step_features(sched.num_tokens, [seq.num_computed_tokens for seq in sched.seqs])
-            sampled = self.runner.execute(sched)
+            if self.threads is not None:
+                shape = (sched.num_prefill_tokens + sched.num_decode_tokens, len(sched.seqs))
+                self.threads.before_step(shape)
+                forward_start = time.perf_counter()
+            try:
+                sampled = self.runner.execute(sched)
+            finally:
+                if self.threads is not None:
+                    self.threads.after_step(shape, time.perf_counter() - forward_start)
             if self.speculator is not None:   # before mark_computed: rejected drafts are not computed
                 self.speculator.verified(sched, sampled)
             self.scheduler.mark_computed(sched)

@@ -179,6 +179,9 @@ class EngineStats:
     kv_transfers: int = 0
     kv_transfer_failures: int = 0
     kv_leases: int = 0
+    # the CPU forward's thread count now (0: not the engine's to choose) and its changes since start
+    cpu_threads: int = 0
+    cpu_thread_changes: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

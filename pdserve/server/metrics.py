@@ -82,6 +82,11 @@ class ServerMetrics:
         self.kv_transfers = counter("kv_transfers", "Prompt KV transfers completed.")
         self.kv_failures = counter("kv_transfer_failures", "Prompt KV transfers that failed.")
         self.kv_leases = gauge("kv_leases", "Finished requests whose prompt blocks are kept for a decode worker.")
+        # CPU: the forward's thread count, where the engine adapts it (engine/threads.py)
+        self.cpu_threads = gauge("cpu_threads", "Threads of the CPU forward now (fewer while other work takes "
+                                 "cores; 0: fixed by --threads or not on CPU).")
+        self.cpu_thread_changes = counter("cpu_thread_changes", "Changes of the CPU forward's thread count.")
+        self._thread_changes_seen = 0
         self._kv_seen = (0, 0.0, 0, 0)
         self._window = [time.monotonic(), 0, 0, 0, 0]   # start, prefill and decode tokens, cache queries, hits
         # objectives (docs/API.md): attainment per phase; the rate of request_goodput is goodput
@@ -137,6 +142,10 @@ class ServerMetrics:
                     c.inc(now - seen)
             self._kv_seen = kv
         self.kv_leases.set(stats.kv_leases)
+        self.cpu_threads.set(stats.cpu_threads)
+        if stats.cpu_thread_changes > self._thread_changes_seen:
+            self.cpu_thread_changes.inc(stats.cpu_thread_changes - self._thread_changes_seen)
+            self._thread_changes_seen = stats.cpu_thread_changes
         if time.monotonic() - self._window[0] >= LOG_INTERVAL_S:
             self._log_window(stats)
         for out in outputs:
