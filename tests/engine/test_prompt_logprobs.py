@@ -126,3 +126,37 @@ def test_prompt_logprobs_are_bounded_like_logprobs():
             SamplingParams(prompt_logprobs=bad)
         assert e.value.param == "prompt_logprobs"
     SamplingParams(prompt_logprobs=20)
+
+
+def test_decode_role_refuses_and_prefill_role_computes(path):
+    """A --role decode worker pulls the prompt's KV and never runs the prompt: no logits for it,
+    so it refuses (a 400 naming the field); the prefill worker computes them (exact)."""
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.kv_transfer import KVTransferParams
+    from tests.kv_transfer.pd import ENGINE, SECRET
+
+    pre = LLMEngine(path, role="prefill", kv_transfer_secret=SECRET, dtype="float32", **ENGINE)
+    dec = LLMEngine(path, role="decode", kv_transfer_secret=SECRET, dtype="float32", **ENGINE)
+    try:
+        (prompt,) = corpus_prompts(pre.tokenizer, lens=[40])
+        pre.add_request("p", prompt, SamplingParams(
+            max_tokens=1, temperature=0, prompt_logprobs=K,
+            kv_transfer_params=KVTransferParams(do_remote_decode=True, decode_engine_id=dec.connector.engine_id)))
+        finals = {}
+        while pre.scheduler.has_unfinished():
+            finals.update({o.request_id: o for o in pre.step() if o.finished})
+        check(finals["p"], path, pre.tokenizer)
+        kv = KVTransferParams.from_dict(finals["p"].kv_transfer_params)
+        with pytest.raises(RequestError) as e:
+            dec.add_request("d", prompt, SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0,
+                                                        kv_transfer_params=kv))
+        assert e.value.param == "prompt_logprobs" and "--role decode" in str(e.value)
+        # the same request without them is served from the pulled KV
+        dec.add_request("d", prompt, SamplingParams(max_tokens=4, temperature=0, kv_transfer_params=kv))
+        while dec.has_unfinished_requests() or pre.has_unfinished_requests():
+            dec.step()
+            pre.step()
+        assert dec.get_stats().kv_transfers == 1
+    finally:
+        pre.close()
+        dec.close()

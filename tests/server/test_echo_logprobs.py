@@ -127,7 +127,19 @@ def test_prompt_logprobs_are_bounded_like_logprobs(server, body, param):
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_chat_prompt_logprobs_count_towards_the_request_cost(server):
     chat = {"messages": [{"role": "user", "content": TEXT * 8}], "prompt_logprobs": 20}
     r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
-    assert httpx.get(server.url + "/health").status_code == 200
+    # without a max_tokens, the default (the rest of the context) is lowered to leave room for them:
+    # ~110 prompt tokens x 21 + the rest of the 1024 would be over 3000
+    chat = {"messages": [{"role": "user", "content": TEXT * 3}], "prompt_logprobs": 20, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    used = body["usage"]["prompt_tokens"] * 21 + body["usage"]["completion_tokens"]
+    assert body["usage"]["total_tokens"] < 1024 < body["usage"]["prompt_tokens"] * 21 + 1024
+    assert used <= 3000 and body["choices"][0]["finish_reason"] == "length"
