@@ -106,10 +106,6 @@ class Sequence:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
-    def needs_prompt_logprobs(self) -> bool:
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
-
-    @property
     def is_prefill(self) -> bool:
         """In the prefill phase: its (re-)admitted tokens are not all in the cache yet."""
         return self.num_computed_tokens < self.prefill_len

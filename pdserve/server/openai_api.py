@@ -95,7 +95,9 @@ def _cached(outputs, n: int) -> int:
     return sum(o.num_cached_tokens for i, o in enumerate(outputs) if i % n == 0 and o is not None)
 
 
-def _ending(out: RequestOutput) -> dict:
+def _ending(out: RequestOutput, score_only: bool = False) -> dict:
+    if score_only:   # max_tokens 0: the limit ended it, whatever stopped the one token it ran
+        return {"finish_reason": "length", "stop_reason": None, "metrics": out.metrics.as_dict()}
     return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "metrics": out.metrics.as_dict()}
 
 
@@ -218,7 +220,8 @@ async def _completion_response(s, body, sub, head, prompts, echo, score_only) ->
         for i, c in enumerate(choices):
             ids, lps = _completion_tokens(c, body, score_only)
             lp = None if body.logprobs is None else completion_logprobs(s.tokenizer, ids, lps, body.logprobs, 0)
-            choice = {"index": i, "text": echo[i] + ("" if score_only else c.text), "logprobs": lp, **_ending(c)}
+            choice = {"index": i, "text": echo[i] + ("" if score_only else c.text), "logprobs": lp,
+                      **_ending(c, score_only)}
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(c)
             res.append(choice)
@@ -297,7 +300,7 @@ def _completion_events(s, body, sub, head, prompts, echo, score_only):
             choice["logprobs"] = completion_logprobs(s.tokenizer, ids, lps, body.logprobs, offsets[i])
             offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
         if out.finished:
-            choice.update(_ending(out))
+            choice.update(_ending(out, score_only))
         return [choice] if (_has_news(out) and not score_only) or out.finished else []
 
     opening = [] if echo_first else [{"index": i, "text": text, "logprobs": None, "finish_reason": None}

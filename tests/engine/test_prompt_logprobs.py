@@ -160,3 +160,19 @@ def test_decode_role_refuses_and_prefill_role_computes(path):
     finally:
         pre.close()
         dec.close()
+
+
+def test_speculative_decoding_leaves_prompt_logprobs_exact(path):
+    """Drafts are verified in decode steps only: the prefill's prompt rows are the same with
+    speculation on (n-gram drafts here), and the greedy tokens too."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=K)
+    plain = LLM(path, dtype="float32", max_num_batched_tokens=16)
+    prompts = corpus_prompts(plain.tokenizer, lens=[17, 40])
+    ref = plain.generate(prompts, params)
+    spec = LLM(path, dtype="float32", max_num_batched_tokens=16, speculative_config='{"method": "ngram", '
+               '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}')
+    outs = spec.generate(prompts, params)
+    assert spec.engine.get_stats().spec_decode.num_draft_tokens > 0
+    for out, r in zip(outs, ref):
+        check(out, path, spec.tokenizer)
+        assert out.token_ids == r.token_ids

@@ -59,6 +59,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, server, model, ids, re
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
     assert lp.tokens[1] == detok(server, ids[1])
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    # the one token the server runs and drops neither shows nor ends it, even when it would stop
+    stop_id = int(ref[-1].argmax())   # the greedy next token
+    r = client.completions.create(model=model, prompt=TEXT, echo=True, logprobs=0, max_tokens=0, temperature=0,
+                                  extra_body={"stop_token_ids": [stop_id]})
+    assert r.choices[0].text == TEXT and r.choices[0].finish_reason == "length"
+    assert r.choices[0].model_extra["stop_reason"] is None
 
 
 def test_echo_with_a_completion_puts_the_prompt_first(client, model, ids, ref):
