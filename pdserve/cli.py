@@ -13,6 +13,7 @@ COMMANDS = {
     "proxy": ("pdserve.proxy.launch", "serve the OpenAI API over prefill and decode workers (disaggregated)"),
     "generate": ("pdserve.generate", "generate offline for prompts given on the command line"),
     "bench": ("pdserve.bench.serve_bench", "benchmark any OpenAI-compatible server (vLLM's definitions)"),
+    "perplexity": ("pdserve.bench.perplexity", "perplexity of a served model over a text file (sliding windows)"),
     "report": ("pdserve.bench.report", "plot benchmark results and engine step logs"),
     "roofline": ("pdserve.bench.roofline", "measure this machine's limits and the model's phases against them"),
     "simulate": ("pdserve.sim.cli", "predict latency and goodput of replicas or prefill/decode pools (simulator)"),

@@ -9,6 +9,9 @@ from pdserve.objectives import RequestObjectives
 
 # Bounds a tensor can hold whatever the model; admission checks against the vocabulary itself.
 MAX_TOP_K = MAX_TOKEN_ID = 2**31 - 1
+# Alternatives per token that logprobs and prompt_logprobs may ask for (vLLM's max_logprobs default);
+# the server's --max-logprobs lowers it per request.
+MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)   # read per sequence in every step: slots, not a dict
@@ -27,6 +30,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0               # EOS and stop tokens are masked until this many tokens exist
     logprobs: int | None = None       # top-N logprobs per generated token (plus the sampled one)
+    # top-N logprobs per prompt token (plus the prompt's own), the first token's None (vLLM's
+    # prompt_logprobs): what scoring and perplexity read. The prefix cache is not used for the
+    # prompt of such a request (its cached positions have no logits): it is computed again.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None   # constrained decoding (pdserve/engine/grammar.py)
@@ -79,8 +86,10 @@ class SamplingParams:
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if self.objectives is not None and not isinstance(self.objectives, RequestObjectives):
             bad("objectives", f"must be a RequestObjectives, got {type(self.objectives).__name__}")
         if not isinstance(self.final_only, bool):

@@ -33,6 +33,8 @@ IDLE_WAIT_S = 0.01
 
 
 class LLMEngine:
+    computes_prompt_logprobs = True   # SamplingParams.prompt_logprobs (the server asks before it admits)
+
     def __init__(self, model: str, **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
         self.model_config = ModelConfig.from_dir(model)
@@ -127,6 +129,10 @@ class LLMEngine:
         if role != "decode":
             raise RequestError(f"kv_transfer_params.do_remote_prefill needs a --role decode worker; this one is "
                                f"--role {role}", param="kv_transfer_params.do_remote_prefill")
+        if seq.params.prompt_logprobs is not None:   # its prompt is never run here: no logits for it
+            raise RequestError("prompt_logprobs cannot be computed by a --role decode worker, which pulls the "
+                               "prompt's KV cache instead of running the prompt; send the request to a --role "
+                               "both worker", param="prompt_logprobs")
         for name, mine in (("block_size", self.config.block_size), ("dtype", self.kv_dtype)):
             theirs = getattr(kv, name)
             if theirs is not None and theirs != mine:

@@ -2,7 +2,8 @@
 
 prepare() turns the scheduler's output into flat input_ids/positions, the slot mapping and the
 attention groups; execute() runs one forward, computes logits only for the sequences whose
-scheduled tokens reach their end (a finished prefill or a decode), and samples their next tokens.
+scheduled tokens reach their end (a finished prefill or a decode), and samples their next tokens;
+a request asking for prompt logprobs also gets the logits of its prompt rows (prompt_logprobs.py).
 How the model runs on the device (weights' layout, attention metadata, forward, argmax) is the
 backend's (pdserve/backends/), chosen once at start."""
 import time
@@ -12,6 +13,7 @@ import torch
 
 from pdserve.backends import select_backend
 from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine import prompt_logprobs
 from pdserve.engine.grammar import forced_tokens
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv_transfer.shm import shared_kv_cache
@@ -117,7 +119,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput):
-        """Run the step. Returns [(seq, token, logprobs)] for the sequences that sample.
+        """Run the step. Returns [(seq, token, logprobs)] for the sequences that sample; appends
+        the prompt logprobs of its prefill rows to their sequences (prompt_logprobs.py).
         Times its phases into last_times (prepare, forward, sample), in seconds."""
         t0 = time.perf_counter()
         input_ids, positions, meta, logit_rows, sample_seqs, verify = self.prepare(sched)
@@ -127,6 +130,9 @@ class ModelRunner:
         t1 = self._now()
         hidden = self.backend.forward(self.model, input_ids, positions, meta)
         verified = self._verify(hidden, verify) if verify else []
+        work = prompt_logprobs.rows_needing(sched)
+        if work:   # the prompt rows' real logits (never the fused argmax), a bounded slice at a time
+            prompt_logprobs.compute(self.backend, self.model, hidden, work, self.model_config.vocab_size)
         logits = tokens = None
         forced: dict[int, int] = {}
         if logit_rows:   # every row samples in a step of decodes only: no gather then

@@ -67,6 +67,8 @@ class OutputProcessor:
         m.token_times.append(now)
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs)
+        if seq.prompt_logprobs is not None and len(seq.token_ids) == seq.num_prompt_tokens + 1:
+            self._decode_prompt_logprobs(seq)   # complete now: the prefill has passed every position
         added = 0   # characters this token added to the text (a long token or held-back bytes: many)
         if not seq.defer_text:
             piece = seq.detokenizer.add(token)
@@ -81,6 +83,15 @@ class OutputProcessor:
             self._check_stop(seq, token, added)
             if seq.finish_reason is not None:
                 m.finished_time = now
+
+    def _decode_prompt_logprobs(self, seq: Sequence) -> None:
+        """Each prompt logprob entry's decoded_token: the token's own text, as the API's logprobs show it."""
+        texts: dict[int, str] = {}
+        for entry in seq.prompt_logprobs[1:]:
+            for tid, lp in entry.items():
+                if tid not in texts:
+                    texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+                lp.decoded_token = texts[tid]
 
     def _check_stop(self, seq: Sequence, token: int, added: int) -> None:
         p = seq.params
@@ -143,5 +154,7 @@ class OutputProcessor:
         token_ids = ListPrefix(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
         logprobs = None if seq.logprobs is None else ListPrefix(seq.logprobs, 0, len(seq.logprobs))
         # positional: keywords cost 0.3 us more, per request and step
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, token_ids, seq.text, new_tokens, new_text,
-                             logprobs, finished, seq.finish_reason, seq.metrics, seq.stop_reason)
+        out = RequestOutput(seq.request_id, seq.prompt_token_ids, token_ids, seq.text, new_tokens, new_text,
+                            logprobs, finished, seq.finish_reason, seq.metrics, seq.stop_reason)
+        out.prompt_logprobs = seq.prompt_logprobs
+        return out

@@ -78,6 +78,15 @@ class RequestMetrics:
                 "slo_ttft_attained": self.ttft_attained, "slo_tpot_attained": self.tpot_attained}
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One entry of a prompt logprobs dict (vLLM's Logprob): the log-probability of a token, its
+    rank in the model's distribution at that position (1: the most likely) and its text."""
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
 class ListPrefix:
     """items[start:stop] of a list that only ever grows (a sequence's token ids, its logprobs),
     copied when first read rather than when made. The engine makes an output for every request
@@ -102,7 +111,8 @@ class RequestOutput:
     step, on caches the forward has just flushed, and a slotted object is one allocation with no
     dict (making one took 0.50 us warm as a dataclass with copy-on-read fields, 0.25 us so)."""
     __slots__ = ("request_id", "prompt_token_ids", "_token_ids", "text", "new_token_ids", "new_text", "_logprobs",
-                 "finished", "finish_reason", "metrics", "stop_reason", "kv_transfer_params", "error")
+                 "finished", "finish_reason", "metrics", "stop_reason", "kv_transfer_params", "error",
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: "list[int] | ListPrefix", text: str,
                  new_token_ids: list[int], new_text: str, logprobs: "list[dict[int, float]] | ListPrefix | None",
@@ -123,6 +133,9 @@ class RequestOutput:
         # a prefill worker's final output: where a decode worker pulls its prompt KV from (or {"error": ...})
         self.kv_transfer_params = kv_transfer_params
         self.error = None   # finish_reason "error" by the request's own fault: a RequestError saying why
+        # SamplingParams.prompt_logprobs: one {token_id: Logprob} per prompt token, the first None
+        # (complete from the first output on); None unless asked for. Shared: do not mutate.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

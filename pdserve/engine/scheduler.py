@@ -18,6 +18,8 @@ the front of the queue, to be re-prefilled (prompt + tokens generated so far) la
 Prefix cache (BlockManager): admission looks the sequence up first; its cached blocks count as
 computed (num_computed_tokens starts at the hit), so blocks, budget and the prefill cap are spent
 on the uncached rest only. A re-admitted (preempted) sequence so re-prefills only what was evicted.
+A request asking for prompt logprobs takes no hit past the first prompt position whose logprobs it
+still needs (a cached block holds K/V, not logits): its prompt is computed again.
 
 What depends on the requests' objectives (waiting order, prefill order, a TPOT-driven cap on a
 step's prefill tokens, the preemption victim, priority preemption) is the policy's
@@ -170,6 +172,10 @@ class Scheduler:
                 if seq.kv_transfer is not None:   # its KV is remote: it waits for blocks to pull into
                     break
                 hits = self.block_manager.find_cached(seq)   # [] with the prefix cache off
+                if seq.prompt_logprobs is not None and hits:
+                    # cached blocks have no logits: only those before the first position still
+                    # needing its prompt logprobs count (vLLM does not use the cache for these at all)
+                    hits = hits[:max(0, len(seq.prompt_logprobs) - 1) // block_size]
                 computed = len(hits) * block_size
                 n = min(seq.num_tokens - computed, budget, prefill_budget)
                 if not self.block_manager.can_allocate(seq, computed + n, hits):

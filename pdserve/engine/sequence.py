@@ -29,7 +29,7 @@ class Sequence:
                  "logprobs", "argmax_only", "final_only", "stop_ids", "max_len", "generator", "detokenizer", "text",
                  "sent_text_len", "text_tokens", "defer_text", "block_hashes", "num_cached_blocks", "cache_parent",
                  "priority", "stop_token_ids", "min_tokens_banned", "matcher", "draft_token_ids", "draft_computed",
-                 "spec_accepts", "spec_rejects", "kv_transfer")
+                 "spec_accepts", "spec_rejects", "kv_transfer", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
         self.request_id = request_id
@@ -53,6 +53,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None  # appended to
+        # prompt logprobs so far, one {token_id: Logprob} per prompt token, the first None (it has no
+        # context): the runner appends as prefill chunks pass, once per position (a re-prefill after
+        # preemption adds nothing); done when there are num_prompt_tokens
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         # greedy with no penalty, min_tokens mask or logprobs: the sampler only takes the argmax
         self.argmax_only = (params.greedy and params.logprobs is None and params.min_tokens == 0
                             and params.grammar is None

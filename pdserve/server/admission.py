@@ -127,9 +127,39 @@ class ServerState:
                                f"({self.config.max_request_cost}); lower max_tokens, n or logprobs",
                                param="max_tokens")
 
-    def cost_default(self, wanted: int, num_seqs: int, logprobs: int | None) -> int:
-        """A default max_tokens lowered so the request fits --max-request-cost (at least 1)."""
-        return max(1, min(wanted, self.config.max_request_cost // (num_seqs * (1 + (logprobs or 0)))))
+    def check_prompt_logprobs(self, k: int | None, param: str) -> None:
+        """prompt_logprobs (or echo with logprobs, which asks for them): within --max-logprobs, and
+        from an engine that computes them (the baselines and test fakes do not)."""
+        if k is None:
+            return
+        self.check_logprobs(k, param)
+        if not getattr(self.engine, "computes_prompt_logprobs", False):
+            raise RequestError(f"prompt logprobs are not computed by the {getattr(self.engine, 'name', '') or 'this'} "
+                               "backend", param=param)
+
+    def check_prompt_cost(self, num_seqs: int, max_tokens: int, logprobs: int | None, prompts: list[list[int]],
+                          n: int, k: int | None, param: str) -> None:
+        """--max-request-cost with prompt logprobs: each choice's prompt tokens count as tokens sent
+        with their k alternatives, on top of its generated ones (same rule, same limit)."""
+        if k is None:
+            return
+        out = num_seqs * max_tokens * (1 + (logprobs or 0))
+        prompt = self.prompt_cost(prompts, n, k)
+        if out + prompt > self.config.max_request_cost:
+            raise RequestError(f"this request asks for {out} generated tokens with their logprobs + {n} x "
+                               f"{sum(len(p) for p in prompts)} prompt tokens x (1 + prompt logprobs {k}) = "
+                               f"{out + prompt} tokens, more than --max-request-cost ({self.config.max_request_cost}); "
+                               "lower the prompt's length, n or the logprobs asked for", param=param)
+
+    def cost_default(self, wanted: int, num_seqs: int, logprobs: int | None, spent: int = 0) -> int:
+        """A default max_tokens lowered so the request fits --max-request-cost (at least 1);
+        `spent`: what its prompt logprobs already take of it (prompt_cost)."""
+        return max(1, min(wanted, (self.config.max_request_cost - spent) // (num_seqs * (1 + (logprobs or 0)))))
+
+    @staticmethod
+    def prompt_cost(prompts: list[list[int]], n: int, k: int | None) -> int:
+        """The prompt logprobs' share of --max-request-cost: each choice's prompt tokens, each with k alternatives."""
+        return 0 if k is None else n * sum(len(p) for p in prompts) * (1 + k)
 
     def check_prompt_chars(self, texts: list[str], param: str = "prompt") -> None:
         """Refuse, before tokenizing, a text so long it must have more tokens than the cap."""
@@ -152,18 +182,19 @@ class ServerState:
         return wanted if cap is None else min(wanted, cap)
 
     def request_max_tokens(self, asked: int | None, default: int, num_seqs: int, logprobs: int | None,
-                           room: int | None = None, generation: bool = True) -> int:
+                           room: int | None = None, generation: bool = True, spent: int = 0) -> int:
         """A request's max_tokens, decided here for every endpoint: the client's (checked against
         --max-tokens-cap); else generation_config.json's max_new_tokens (unless generation=False), else
         the endpoint's `default`. A default is lowered to `room` (the context left, as vLLM's
-        get_max_tokens), --max-tokens-cap and --max-request-cost, and is at least 1."""
+        get_max_tokens), --max-tokens-cap and --max-request-cost (of which prompt logprobs take
+        `spent`), and is at least 1."""
         if asked is not None:
             self.check_max_tokens(asked)
             return asked
         wanted = (self.generation.max_tokens if generation else None) or default
         if room is not None:
             wanted = min(wanted, room)
-        return self.cost_default(max(1, self.default_max_tokens(wanted)), num_seqs, logprobs)
+        return self.cost_default(max(1, self.default_max_tokens(wanted)), num_seqs, logprobs, spent)
 
     def check_prompt_len(self, prompts: list[list[int]], param: str = "prompt") -> None:
         cap = self.config.max_prompt_tokens

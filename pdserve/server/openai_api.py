@@ -38,20 +38,41 @@ def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
 
 
-def completion_logprobs(tok, token_ids: list[int], logprobs: list[dict], k: int, offset: int) -> dict:
-    """The legacy completions logprobs object for these tokens; `offset` is the text length before them."""
+def completion_logprobs(tok, token_ids: list[int], logprobs: list[dict | None], k: int, offset: int) -> dict:
+    """The legacy completions logprobs object for these tokens; `offset` is the text length before them.
+    An entry None (the first prompt token's, which has no context) is null, as OpenAI and vLLM send it."""
     res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, lp in zip(token_ids, logprobs):
         s = tok.decode([tid], skip_special_tokens=False)
         res["tokens"].append(s)
+        res["text_offset"].append(offset)
+        offset += len(s)
+        if lp is None:
+            res["token_logprobs"].append(None)
+            res["top_logprobs"].append(None)
+            continue
         res["token_logprobs"].append(_finite(lp[tid]))
         top = {}
         for i, v in _top(lp, k):   # best first: ids that decode to the same string keep the best value
             top.setdefault(tok.decode([i], skip_special_tokens=False), _finite(v))
         res["top_logprobs"].append(top)
-        res["text_offset"].append(offset)
-        offset += len(s)
     return res
+
+
+def _prompt_floats(out: RequestOutput) -> list[dict | None]:
+    """The prompt's logprobs as the output's are, {token_id: logprob}; an entry the engine did not
+    make (a request cut short) is null."""
+    entries = out.prompt_logprobs or []
+    floats = [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in entries]
+    return floats + [None] * (len(out.prompt_token_ids) - len(floats))
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token null (the first) or {token_id: {logprob, rank,
+    decoded_token}} for the token and its alternatives."""
+    return [None if e is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in out.prompt_logprobs or []]
 
 
 def chat_logprobs(tok, token_ids: list[int], logprobs: list[dict], k: int) -> list[dict]:
@@ -74,7 +95,9 @@ def _cached(outputs, n: int) -> int:
     return sum(o.num_cached_tokens for i, o in enumerate(outputs) if i % n == 0 and o is not None)
 
 
-def _ending(out: RequestOutput) -> dict:
+def _ending(out: RequestOutput, score_only: bool = False) -> dict:
+    if score_only:   # max_tokens 0: the limit ended it, whatever stopped the one token it ran
+        return {"finish_reason": "length", "stop_reason": None, "metrics": out.metrics.as_dict()}
     return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "metrics": out.metrics.as_dict()}
 
 
@@ -112,22 +135,30 @@ async def completions(body: CompletionRequest, request: Request):
     s.check_stop(body.stop_list, body.stop_token_ids)
     s.check_n(body.n)
     s.check_logprobs(body.logprobs, "logprobs")
-    if body.echo and body.logprobs is not None:
-        raise RequestError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
+    s.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+    prompt_k, k_param = _completion_prompt_logprobs(body)
+    s.check_prompt_logprobs(prompt_k, k_param)
+    # max_tokens 0 with echo (OpenAI's, vLLM's): the prompt and its logprobs only, nothing
+    # generated; the engine runs one token, which is dropped (scoring, perplexity)
+    score_only = body.echo and body.max_tokens == 0
     num_seqs = (1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)) * body.n
     _check_remote_decode(body, num_seqs)
     s.check_queue(num_seqs, "n" if body.n > 1 else "prompt")   # before the tokenizer: a full queue is refused at once
     grammar = body.grammar_spec()
     await check_grammar(s.engine, grammar)
-    # left out, max_tokens is OpenAI's (and vLLM's) 16; only an explicit null takes max_new_tokens, as vLLM
-    max_tokens = s.request_max_tokens(body.max_tokens, 16, num_seqs, body.logprobs,
-                                      generation="max_tokens" in body.model_fields_set)
+    if score_only:
+        max_tokens = 1
+    else:   # left out, max_tokens is OpenAI's (and vLLM's) 16; only an explicit null takes max_new_tokens, as vLLM
+        max_tokens = s.request_max_tokens(body.max_tokens, 16, num_seqs, body.logprobs,
+                                          generation="max_tokens" in body.model_fields_set)
     s.check_cost(num_seqs, max_tokens, body.logprobs)
     prompts = await s.prompt_ids(body.prompt)
     s.check_prompt_len(prompts)
+    s.check_prompt_cost(num_seqs, max_tokens, body.logprobs, prompts, body.n, prompt_k, k_param)
     params = [p for _ in prompts for p in s.sampling_params(body.n, body.seed, max_tokens=max_tokens,
-                                                            logprobs=body.logprobs, final_only=not body.stream,
-                                                            grammar=grammar, **body.sampling_kwargs())]
+                                                            logprobs=body.logprobs, prompt_logprobs=prompt_k,
+                                                            final_only=not body.stream, grammar=grammar,
+                                                            **body.sampling_kwargs())]
     if not body.echo:
         texts = [""] * len(prompts)
     elif isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
@@ -138,8 +169,25 @@ async def completions(body: CompletionRequest, request: Request):
     request_id, sub = await s.submit([p for p in prompts for _ in range(body.n)], params, arrival, "cmpl")
     head = _head(request_id, "text_completion", s)
     if body.stream:
-        return sse_response(_completion_events(s, body, sub, head, prompts, echo))
-    return await unless_disconnected(request, _completion_response(s, body, sub, head, prompts, echo))
+        return sse_response(_completion_events(s, body, sub, head, prompts, echo, score_only))
+    return await unless_disconnected(request, _completion_response(s, body, sub, head, prompts, echo, score_only))
+
+
+def _completion_prompt_logprobs(body) -> tuple[int | None, str]:
+    """The prompt logprobs a completion asks the engine for, and the field that asked: vLLM's
+    prompt_logprobs, or echo with logprobs (the echoed prompt tokens come with theirs: how
+    lm-evaluation-harness scores choices). A streamed response has no place for prompt_logprobs
+    (vLLM refuses them too); echo with logprobs sends them in the first chunk."""
+    if body.max_tokens == 0 and not body.echo:
+        raise RequestError("max_tokens must be >= 1 (0 only with echo: the prompt, and its logprobs, without a "
+                           "completion)", param="max_tokens")
+    if body.stream and body.prompt_logprobs:
+        raise RequestError("prompt_logprobs are not available with stream (use echo with logprobs: the first "
+                           "chunk carries the prompt's logprobs)", param="prompt_logprobs")
+    echoed = body.logprobs if body.echo else None
+    if body.prompt_logprobs is not None and not body.stream:
+        return max(body.prompt_logprobs, echoed or 0), "prompt_logprobs"
+    return echoed, "logprobs"
 
 
 async def _json_response(s, choices: list[RequestOutput], logprobs: int | None, build) -> Response:
@@ -147,23 +195,45 @@ async def _json_response(s, choices: list[RequestOutput], logprobs: int | None, 
     or logprobs), so the loop keeps answering while a large response is built."""
     def encode() -> bytes:
         return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-    size = sum(len(c.token_ids) for c in choices) * (1 + (logprobs or 0))
+    size = sum(len(c.token_ids) + (len(c.prompt_token_ids) if c.prompt_logprobs else 0)
+               for c in choices) * (1 + (logprobs or 0))
     body = encode() if size <= BUILD_INLINE_TOKENS else await s.offload(encode)
     return Response(body, media_type="application/json")
 
 
-async def _completion_response(s, body, sub, head, prompts, echo) -> Response:
+def _completion_tokens(c: RequestOutput, body, score_only: bool) -> tuple[list[int], list | None]:
+    """A choice's tokens and logprobs as the response shows them: with echo and logprobs the
+    prompt's first; with max_tokens 0 only the prompt's."""
+    ids, lps = ([], []) if score_only else (c.token_ids, c.logprobs)
+    if body.echo and body.logprobs is not None:
+        ids, lps = list(c.prompt_token_ids) + ids, _prompt_floats(c) + lps
+    return ids, lps
+
+
+async def _completion_response(s, body, sub, head, prompts, echo, score_only) -> Response:
     choices = await sub.collect()
 
     def build() -> dict:
         res = []
         for i, c in enumerate(choices):
-            lp = None if body.logprobs is None else completion_logprobs(s.tokenizer, c.token_ids, c.logprobs,
-                                                                        body.logprobs, 0)
-            res.append({"index": i, "text": echo[i] + c.text, "logprobs": lp, **_ending(c)})
-        usage = _usage(prompts, sum(len(c.token_ids) for c in choices), _cached(choices, body.n))
+            ids, lps = _completion_tokens(c, body, score_only)
+            lp = None if body.logprobs is None else completion_logprobs(s.tokenizer, ids, lps, body.logprobs, 0)
+            choice = {"index": i, "text": echo[i] + ("" if score_only else c.text), "logprobs": lp,
+                      **_ending(c, score_only)}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(c)
+            res.append(choice)
+        generated = 0 if score_only else sum(len(c.token_ids) for c in choices)
+        usage = _usage(prompts, generated, _cached(choices, body.n))
         return {**head, "choices": res, "usage": usage, **_kv_transfer(choices)}
-    return await _json_response(s, choices, body.logprobs, build)
+    return await _json_response(s, choices, _entries_per_token(body), build)
+
+
+def _entries_per_token(body) -> int | None:
+    """Logprob entries per token of the response, for _json_response's size (prompt ones included)."""
+    if body.logprobs is None and body.prompt_logprobs is None:
+        return None
+    return max(body.logprobs or 0, body.prompt_logprobs or 0)
 
 
 async def stream_choices(sub, head: dict, opening: list[dict], choices_of, usage_of) -> AsyncIterator[str]:
@@ -197,32 +267,43 @@ def _has_news(out: RequestOutput) -> bool:
     return bool(out.new_token_ids or out.new_text or out.finished)
 
 
-def _stream_usage(body, prompts: list[list[int]]):
+def _stream_usage(body, prompts: list[list[int]], score_only: bool = False):
     def usage_of(finals: list[RequestOutput | None]) -> dict | None:
         if not body.include_usage:
             return None
-        return _usage(prompts, sum(len(f.token_ids) for f in finals if f is not None), _cached(finals, body.n))
+        generated = 0 if score_only else sum(len(f.token_ids) for f in finals if f is not None)
+        return _usage(prompts, generated, _cached(finals, body.n))
     return usage_of
 
 
-def _completion_events(s, body, sub, head, prompts, echo):
+def _completion_events(s, body, sub, head, prompts, echo, score_only):
     # per choice, for logprobs' text_offset: advanced by each token's own text, as the
     # non-streamed response counts it (a token's text and the stream's text differ when
     # tokens split a character)
     offsets = [len(e) for e in echo]
+    # echo with logprobs: the prompt goes with the first output, which brings its logprobs (as
+    # vLLM's stream); without logprobs it opens the stream at once
+    echo_first = body.echo and body.logprobs is not None
+    pending = [echo_first] * len(echo)
+    if echo_first:
+        offsets = [0] * len(echo)
 
     def choices_of(out: RequestOutput, i: int):
-        choice = {"index": i, "text": out.new_text, "logprobs": None, "finish_reason": None}
-        if body.logprobs is not None and out.new_token_ids:
-            choice["logprobs"] = completion_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
-                                                     body.logprobs, offsets[i])
+        ids, lps, text = ([], [], "") if score_only else (out.new_token_ids, out.new_logprobs, out.new_text)
+        if pending[i]:
+            pending[i] = False
+            ids, lps, text = list(out.prompt_token_ids) + ids, _prompt_floats(out) + lps, echo[i] + text
+        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": None}
+        if body.logprobs is not None and ids:
+            choice["logprobs"] = completion_logprobs(s.tokenizer, ids, lps, body.logprobs, offsets[i])
             offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
         if out.finished:
-            choice.update(_ending(out))
-        return [choice] if _has_news(out) else []
+            choice.update(_ending(out, score_only))
+        return [choice] if (_has_news(out) and not score_only) or out.finished else []
 
-    opening = [{"index": i, "text": text, "logprobs": None, "finish_reason": None} for i, text in enumerate(echo) if text]
-    return stream_choices(sub, head, opening, choices_of, _stream_usage(body, prompts))
+    opening = [] if echo_first else [{"index": i, "text": text, "logprobs": None, "finish_reason": None}
+                                     for i, text in enumerate(echo) if text]
+    return stream_choices(sub, head, opening, choices_of, _stream_usage(body, prompts, score_only))
 
 
 # ---- /v1/chat/completions
@@ -239,6 +320,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     _check_remote_decode(body, body.n)
+    if body.stream and body.prompt_logprobs:   # as vLLM: a stream has no place for them
+        raise RequestError("prompt_logprobs are not available with stream", param="prompt_logprobs")
+    prompt_k = None if body.stream else body.prompt_logprobs
+    s.check_prompt_logprobs(prompt_k, "prompt_logprobs")
     s.check_queue(body.n)   # before the template and the tokenizer: a full queue is refused at once
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.max_completion_tokens is not None or body.max_tokens is not None:
@@ -258,12 +343,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise RequestError("messages render to an empty prompt", param="messages")
     s.check_prompt_len([prompt], param="messages")
     # OpenAI's chat default: as many as can be served, within the context and the KV cache (or
-    # max_new_tokens). If the prompt alone is too long, asking for one token lets the engine report the lengths.
+    # max_new_tokens), and --max-request-cost with what prompt logprobs take of it. If the prompt
+    # alone is too long, asking for one token lets the engine report the lengths.
     room = s.max_seq_len - len(prompt)
     max_tokens = s.request_max_tokens(body.max_completion_tokens if body.max_completion_tokens is not None
-                                      else body.max_tokens, room, body.n, logprobs, room=room)
-    params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, final_only=not body.stream,
-                               grammar=grammar, **body.sampling_kwargs())
+                                      else body.max_tokens, room, body.n, logprobs, room=room,
+                                      spent=s.prompt_cost([prompt], body.n, prompt_k))
+    s.check_prompt_cost(body.n, max_tokens, logprobs, [prompt], body.n, prompt_k, "prompt_logprobs")
+    params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_k,
+                               final_only=not body.stream, grammar=grammar, **body.sampling_kwargs())
     request_id, sub = await s.submit([prompt] * body.n, params, arrival, "chatcmpl")
     if body.stream:
         return sse_response(_chat_events(s, body, sub, _head(request_id, "chat.completion.chunk", s), prompt, tools))
@@ -291,8 +379,10 @@ async def _chat_response(s, body, sub, head, prompt, tools) -> Response:
             lp = {"content": chat_logprobs(s.tokenizer, c.token_ids, c.logprobs, k)} if body.logprobs else None
             res.append({"index": i, "message": message, "logprobs": lp, **ending})
         usage = _usage([prompt], sum(len(c.token_ids) for c in choices), _cached(choices, body.n))
-        return {**head, "choices": res, "usage": usage, **_kv_transfer(choices)}
-    return await _json_response(s, choices, k if body.logprobs else None, build)
+        # vLLM's place for them in a chat response: once, at the top (every choice has the same prompt)
+        extra = {"prompt_logprobs": prompt_logprobs_json(choices[0])} if body.prompt_logprobs is not None else {}
+        return {**head, "choices": res, "usage": usage, **extra, **_kv_transfer(choices)}
+    return await _json_response(s, choices, max(k if body.logprobs else 0, body.prompt_logprobs or 0), build)
 
 
 def _chat_events(s, body, sub, head, prompt, tools):

@@ -53,7 +53,7 @@ def ranges(state) -> dict[str, dict]:
         "min_p": {"minimum": 0, "maximum": 1}, "presence_penalty": {"minimum": -2, "maximum": 2},
         "frequency_penalty": {"minimum": -2, "maximum": 2}, "repetition_penalty": {"exclusiveMinimum": 0},
         "min_tokens": {"minimum": 0}, "seed": {"minimum": -2**63, "maximum": 2**64 - 1},
-        "logprobs": logprobs, "top_logprobs": logprobs,
+        "logprobs": logprobs, "top_logprobs": logprobs, "prompt_logprobs": logprobs,
     }
 
 
@@ -102,6 +102,8 @@ def install_openapi(app: FastAPI, state) -> None:
                 if field == "max_tokens" and name in ORIGIN:   # clamped to the context there, not refused
                     _constrain(prop, {"minimum": 1, **({"maximum": state.config.max_tokens_cap}
                                                        if state.config.max_tokens_cap else {})})
+                elif field == "max_tokens" and name == "CompletionRequest":   # 0 with echo: the prompt only
+                    _constrain(prop, {**bounds[field], "minimum": 0})
                 elif field in bounds:
                     _constrain(prop, bounds[field])
         _constrain_lists(components, state)

@@ -75,6 +75,8 @@ class _SamplingFields(_Strict, StructuredFields):
     priority: StrictInt = 0
     slo: SLOTargets | None = None
     kv_transfer_params: KVTransferFields | None = None   # prefill/decode disaggregation (docs/API.md)
+    # vLLM's: each prompt token's logprob, rank and this many alternatives (docs/API.md)
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -115,9 +117,9 @@ PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, _nonempty_list({"
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)] = Field(
         ..., description="a string, a list of strings, a list of token ids or a list of them")
-    max_tokens: int | None = 16   # OpenAI's default for the legacy completions endpoint
+    max_tokens: int | None = 16   # OpenAI's default for the legacy completions endpoint; 0 only with echo
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False   # the prompt before the completion (with logprobs: the prompt tokens' logprobs first)
 
     @field_validator("prompt")
     @classmethod
