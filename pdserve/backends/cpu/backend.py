@@ -2,8 +2,8 @@
 and they build.
 
 prepare_model repacks every linear into the kernels' panels (packed_linear.py, on huge pages:
-hugepages.py) and swaps the norms, SwiGLU, RoPE and (for the head sizes its kernels take) the
-paged attention onto the kernels (layers.py). Once the KV cache is bound, the layers run as one
+hugepages.py) and swaps the norms, SwiGLU (GeGLU), RoPE and (for the head sizes its kernels take,
+soft-capped or not) the paged attention onto the kernels (layers.py). Once the KV cache is bound, the layers run as one
 C++ call (stack.py), built from the recipe the model declares (models/decoder_spec.py); a model the
 stack cannot run keeps its modules, layer by layer, and the log says why in one line. A greedy
 batch takes its tokens from the packed lm_head's fused argmax, without the logits."""
@@ -17,15 +17,14 @@ from pdserve.backends.cpu import hugepages, kernels
 from pdserve.backends.cpu.layers import use_kernel_layers
 from pdserve.backends.cpu.metadata import build_step_metadata
 from pdserve.backends.cpu.packed_linear import PackedLinear, pack_model
-from pdserve.backends.cpu.stack import Unsupported, build_stack
+from pdserve.backends.cpu.stack import Unsupported, build_stack, rotary_tables
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.layers.attention import PagedAttention, attention_context, build_metadata
+from pdserve.layers.attention import attention_context, build_metadata
 from pdserve.loader import embed_module_name
 
 log = logging.getLogger("pdserve")
 
-ATTENTION_HEAD_DIMS = (16, 32, 64, 96, 128)   # the head sizes the attention kernels take
-_EMPTY = torch.empty(0)
+ATTENTION_HEAD_DIMS = (16, 32, 64, 96, 128, 256)   # the head sizes the attention kernels take
 
 
 class CpuBackend(Backend):
@@ -37,13 +36,11 @@ class CpuBackend(Backend):
         self.attention_kernels = model_config.head_dim in ATTENTION_HEAD_DIMS
         self.why_no_kernel_attention = (f"head size {model_config.head_dim}: the attention kernels take "
                                         f"{', '.join(map(str, ATTENTION_HEAD_DIMS))}")
-        self.stack, self.rotary, self.why_no_stack = None, None, None
+        self.stack, self.rotaries, self.why_no_stack = None, [], None
 
     def prepare_model(self, model: nn.Module) -> None:
         m = self.model_config
         pack_model(model, self.weight_format, embed_module_name(m) if m.tie_word_embeddings else None)
-        if any(getattr(a, "logit_softcap", None) for a in model.modules() if isinstance(a, PagedAttention)):
-            self.attention_kernels, self.why_no_kernel_attention = False, "soft-capped attention scores"
         use_kernel_layers(model, attention=self.attention_kernels)
         self.fused_argmax = isinstance(model.lm_head, PackedLinear)
 
@@ -53,6 +50,7 @@ class CpuBackend(Backend):
 
     def attach_cache(self, model: nn.Module) -> None:
         """The decoder stack over the model's packed weights and cache views, where it can run it."""
+        self.stack, self.rotaries, self.why_no_stack = None, [], None
         declares = all(hasattr(model, a) for a in ("decoder_spec", "embed", "finish"))
         spec = model.decoder_spec() if declares else None
         if not self.attention_kernels:
@@ -62,7 +60,7 @@ class CpuBackend(Backend):
         else:
             try:
                 self.stack = build_stack(model, spec)
-                self.rotary = model.get_submodule(spec.rotary) if spec.rotary is not None else None
+                self.rotaries = rotary_tables(model, spec)[0]
             except Unsupported as e:
                 self.why_no_stack = str(e)
         if self.why_no_stack:
@@ -79,10 +77,9 @@ class CpuBackend(Backend):
             with attention_context(meta):
                 return model(input_ids, positions)
         x = model.embed(input_ids, positions)
-        cos = sin = _EMPTY
-        if self.rotary is not None:
-            rope = self.rotary.lookup(positions, torch.float32)
-            cos, sin = rope.cos, rope.sin
+        # each distinct rotary table once per step (Gemma 3: two bases; a partial rotary's is narrower)
+        ropes = [r.lookup(positions, torch.float32) for r in self.rotaries]
+        cos, sin = [r.cos for r in ropes], [r.sin for r in ropes]
         # activations fp32 throughout: with a bf16 model only the weights and the KV cache are bf16
         return model.finish(self.stack.forward(x.float().contiguous(), cos, sin, meta.step))
 

@@ -6,31 +6,45 @@ import torch
 from torch import nn
 
 from pdserve.backends.cpu.kernels import cpu_ops
+from pdserve.layers import activation
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention, get_attention_metadata
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.rotary import Rope, RotaryEmbedding
 
 
+def _gated(x: torch.Tensor, kernel) -> torch.Tensor:
+    y = kernel(x.reshape(-1, x.shape[-1]).contiguous())
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class CpuSiluAndMul(SiluAndMul):
     """One pass of kernels/activation_cpu.cpp."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            return super().forward(x)
-        y = cpu_ops().silu_and_mul(x.reshape(-1, x.shape[-1]).contiguous())
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return super().forward(x) if x.dtype != torch.float32 else _gated(x, cpu_ops().silu_and_mul)
+
+
+# GeGLU (Gemma): its torch module is layers/activation.py's GeluTanhAndMul where that exists
+GeluTanhAndMul = getattr(activation, "GeluTanhAndMul", None)
+if GeluTanhAndMul is not None:
+    class CpuGeluTanhAndMul(GeluTanhAndMul):
+        """One pass of kernels/activation_cpu.cpp: gelu(gate, approximate="tanh") * up."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) if x.dtype != torch.float32 else _gated(x, cpu_ops().gelu_tanh_and_mul)
 
 
 class CpuRMSNorm(RMSNorm):
-    """kernels/norm_cpu.cpp: the residual add and the norm in one pass, in place."""
+    """kernels/norm_cpu.cpp: the residual add and the norm in one pass, in place. Alone, over rows
+    of any shape (q or k heads: (T, H, D)), the same rounding as the decoder stack's."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.dtype != torch.float32 or x.dim() != 2:
+        if x.dtype != torch.float32 or (residual is not None and x.dim() != 2):
             return super().forward(x, residual)
-        x = x.contiguous()
         if residual is None:
-            return cpu_ops().rms_norm(x, self.weight, self.eps)
+            return cpu_ops().rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps).view(x.shape)
+        x = x.contiguous()
         cpu_ops().fused_add_rms_norm(x, residual, self.weight, self.eps)   # x is this step's scratch
         return x, residual
 
@@ -48,7 +62,7 @@ class CpuRotaryEmbedding(RotaryEmbedding):
 
 class CpuPagedAttention(PagedAttention):
     """kernels/attention_cpu.cpp (decodes) and prefill_attention_cpu.cpp (prefill chunks) over the
-    cache in place, where the step's metadata is the kernels' (an AttentionStep)."""
+    cache in place (soft cap included), where the step's metadata is the kernels' (an AttentionStep)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
@@ -67,15 +81,17 @@ class CpuPagedAttention(PagedAttention):
             rows = s.decode_rows if s.decode_first_row < 0 else slice(s.decode_first_row, s.decode_first_row + B)
             out[rows] = cpu_ops().paged_decode_attention(qf[rows].contiguous(), self.k_cache, self.v_cache,
                                                          s.decode_tables, s.decode_ctx, s.block_size, self.scale,
-                                                         self.sliding_window or 0)
+                                                         self.sliding_window or 0, self.logit_softcap or 0.0)
         if s.prefill_q_lens.shape[0]:   # prefill chunks, written into out in place
             cpu_ops().paged_prefill_attention(qf, self.k_cache, self.v_cache, s.prefill_tables, s.prefill_starts,
                                               s.prefill_q_lens, s.prefill_ctx, out, s.block_size, self.scale,
-                                              self.sliding_window or 0)
+                                              self.sliding_window or 0, self.logit_softcap or 0.0)
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 
 KERNEL_LAYERS = {SiluAndMul: CpuSiluAndMul, RMSNorm: CpuRMSNorm, RotaryEmbedding: CpuRotaryEmbedding}
+if GeluTanhAndMul is not None:
+    KERNEL_LAYERS[GeluTanhAndMul] = CpuGeluTanhAndMul
 
 
 def use_kernel_layers(model: nn.Module, attention: bool) -> None:

@@ -20,9 +20,11 @@ class Unsupported(ValueError):
 
 
 def _norm(m: nn.Module, name: str) -> tuple[str, float, dict[str, torch.Tensor]]:
-    """(kind, eps, tensors by name) of a norm module."""
+    """(kind, eps, tensors by name) of a norm module. An RMSNorm's weight_offset (Gemma's norm(x)
+    * (1 + w)) is folded into the weight the stack takes."""
     if isinstance(m, RMSNorm):
-        return "rms", m.eps, {f"{name}weight": m.weight.detach().float()}
+        weight, offset = m.weight.detach().float(), getattr(m, "weight_offset", 0.0)
+        return "rms", m.eps, {f"{name}weight": weight + offset if offset else weight}
     if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
         tensors = {f"{name}{k}": t.detach().float() for k, t in (("weight", m.weight), ("bias", m.bias)) if t is not None}
         return "layer", m.eps, tensors
@@ -40,24 +42,37 @@ def _linear(m: nn.Module, name: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")   # a layer's, by role
+
+
+def rotary_tables(model: nn.Module, spec: DecoderSpec) -> tuple[list[RotaryEmbedding], list[int]]:
+    """The distinct RotaryEmbeddings of the layers (each looked up once per step: backend.py) and
+    each layer's index among them, -1 where it has no RoPE."""
+    modules, index = [], []
+    for i in range(len(model.get_submodule(spec.layers))):
+        name = spec.rotary_of(i)
+        if name is None:
+            index.append(-1)
+            continue
+        m = model.get_submodule(name)
+        if not isinstance(m, RotaryEmbedding):
+            raise Unsupported(f"{name} is not a RotaryEmbedding")
+        if not any(m is r for r in modules):
+            modules.append(m)
+        index.append(next(j for j, r in enumerate(modules) if r is m))
+    return modules, index
+
+
 def stack_arguments(model: nn.Module, spec: DecoderSpec) -> dict:
     """DecoderStack's arguments for `model` (packed, its KV cache views bound): the recipe, the
     sizes from the modules, and each layer's tensors by name. Raises Unsupported with the reason
     where a module is not one the stack has a kernel for."""
-    not_yet = [name for name, v in (("q_norm", spec.q_norm), ("k_norm", spec.k_norm),
-                                    ("post_attn_norm", spec.post_attn_norm), ("post_mlp_norm", spec.post_mlp_norm),
-                                    ("layer_rotary", spec.layer_rotary)) if v is not None]
-    if spec.residual_multiplier != 1.0:
-        not_yet.append("residual_multiplier")
-    if spec.attn_norm is None or spec.mlp_norm is None:
-        not_yet.append("a block without its norm")
-    if not_yet:
-        raise Unsupported(f"the stack does not run {', '.join(not_yet)} yet")
     layers = model.get_submodule(spec.layers)
-    norms, tensors, windows = set(), [], []
+    roles = [role for role in NORMS if getattr(spec, role) is not None]
+    norms, tensors, windows, caps = set(), [], [], set()
     for layer in layers:
         t = {}
-        for role in ("attn_norm", "mlp_norm"):
+        for role in roles:
             kind, eps, named = _norm(layer.get_submodule(getattr(spec, role)), f"{role}.")
             norms.add((kind, eps))
             t.update(named)
@@ -66,9 +81,8 @@ def stack_arguments(model: nn.Module, spec: DecoderSpec) -> dict:
         attn = layer.get_submodule(spec.attention)
         if not isinstance(attn, PagedAttention) or attn.k_cache is None:
             raise Unsupported(f"{spec.attention} is not a paged attention with its cache bound")
-        if attn.logit_softcap is not None:
-            raise Unsupported("soft-capped attention scores")
         windows.append(attn.sliding_window or 0)
+        caps.add(attn.logit_softcap or 0.0)
         t["k_cache"], t["v_cache"] = attn.k_cache, attn.v_cache
         tensors.append(t)
     final = {}
@@ -77,15 +91,15 @@ def stack_arguments(model: nn.Module, spec: DecoderSpec) -> dict:
         norms.add((kind, eps))
     if len(norms) != 1:
         raise Unsupported(f"norms of more than one kind or eps: {sorted(norms)}")
-    if spec.rotary is not None and not isinstance(model.get_submodule(spec.rotary), RotaryEmbedding):
-        raise Unsupported(f"{spec.rotary} is not a RotaryEmbedding")
+    if len(caps) != 1:
+        raise Unsupported(f"layers with different attention soft caps: {sorted(caps)}")
     (kind, eps), = norms
     attn = layers[0].get_submodule(spec.attention)
     return dict(layers=tensors, final_norm=final, has_final_norm=spec.final_norm is not None, norm=kind,
-                norm_position=spec.norm_position, rotary=spec.rotary is not None, activation=spec.activation,
-                num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                intermediate_size=layers[0].get_submodule(spec.down).in_features, eps=eps, scale=attn.scale,
-                windows=windows)
+                norm_position=spec.norm_position, norms=roles, rotary=rotary_tables(model, spec)[1],
+                activation=spec.activation, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                head_dim=attn.head_dim, intermediate_size=layers[0].get_submodule(spec.down).in_features, eps=eps,
+                scale=attn.scale, windows=windows, softcap=caps.pop(), residual_multiplier=spec.residual_multiplier)
 
 
 def build_stack(model: nn.Module, spec: DecoderSpec):

@@ -1,4 +1,5 @@
-"""The CPU silu-and-mul kernel equals torch's silu(gate) * up (the CPU backend swaps it in: test_packed_linear.py)."""
+"""The CPU silu-and-mul and gelu-tanh-and-mul kernels equal torch's silu(gate) * up and
+gelu(gate, approximate="tanh") * up (the CPU backend swaps them in: test_packed_linear.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,3 +24,19 @@ def test_kernel_equals_torch(shape):
     torch.testing.assert_close(want, F.silu(gate) * up)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 704), (7, 2 * 33), (300, 2 * 1152)])
+def test_gelu_tanh_kernel_equals_torch(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 4
+    x[:, 0], x[:, 1], x[:, 2] = 100.0, -100.0, -9.0   # saturated both ways, and where 1 + tanh cancels
+    gate, up = x.chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    got = cpu_ops().gelu_tanh_and_mul(x)
+    assert got.shape == want.shape
+    # float64's: torch's fp32 0.5 g (1 + tanh(y)) cancels where the gate is very negative (relative
+    # errors of 0.5 there); the kernel's g / (1 + exp(-2y)) does not
+    exact = (F.gelu(gate.double(), approximate="tanh") * up.double()).float()
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

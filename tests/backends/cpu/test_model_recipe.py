@@ -51,8 +51,7 @@ class GeluAndMul(SiluAndMul):
 
 
 class GeluLlamaForCausalLM(LlamaForCausalLM):
-    """A Llama whose MLP gates by gelu-tanh (config hidden_act gelu_pytorch_tanh, as Gemma's): the
-    stack has no such activation."""
+    """A Llama whose MLP gates by gelu-tanh (config hidden_act gelu_pytorch_tanh, Gemma's GeGLU)."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -61,6 +60,24 @@ class GeluLlamaForCausalLM(LlamaForCausalLM):
 
     def decoder_spec(self):
         return dataclasses.replace(super().decoder_spec(), activation="gelu_tanh_and_mul")
+
+
+class ReluAndMul(SiluAndMul):
+    def forward(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.relu(gate) * up
+
+
+class ReluLlamaForCausalLM(LlamaForCausalLM):
+    """A Llama whose MLP gates by relu (config hidden_act relu): the stack has no such activation."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        for layer in self.model.layers:
+            layer.mlp.act = ReluAndMul()
+
+    def decoder_spec(self):
+        return dataclasses.replace(super().decoder_spec(), activation="relu_and_mul")
 
 
 @pytest.fixture(scope="module")
@@ -122,15 +139,30 @@ def fallback_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "decoder stack cannot run" in r.getMessage()]
 
 
-def test_a_recipe_the_stack_cannot_run_keeps_the_modules(make_tiny, monkeypatch, caplog):
+def test_a_geglu_family_runs_on_the_stack(make_tiny, monkeypatch, caplog):
+    """GeGLU (Gemma's gelu-tanh gate) on the stack's kernel: transformers' greedy tokens."""
     path = make_tiny("llama", hidden_act="gelu_pytorch_tanh")
     monkeypatch.setitem(ARCHITECTURES, "LlamaForCausalLM", GeluLlamaForCausalLM)
     with caplog.at_level(logging.WARNING, logger="pdserve"):
         llm = LLM(path, max_num_batched_tokens=64)
     backend = llm.engine.runner.backend
+    assert backend.stack is not None and not fallback_lines(caplog)
+    calls = count_stack_calls(backend)
+    prompts = corpus_prompts(llm.tokenizer, lens=[1, 17, 70])
+    for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))):
+        assert out.token_ids == hf_greedy(path, prompt, NEW_TOKENS)
+    assert calls
+
+
+def test_a_recipe_the_stack_cannot_run_keeps_the_modules(make_tiny, monkeypatch, caplog):
+    path = make_tiny("llama", hidden_act="relu")
+    monkeypatch.setitem(ARCHITECTURES, "LlamaForCausalLM", ReluLlamaForCausalLM)
+    with caplog.at_level(logging.WARNING, logger="pdserve"):
+        llm = LLM(path, max_num_batched_tokens=64)
+    backend = llm.engine.runner.backend
     assert backend.name == "cpu" and backend.stack is None and "layer by layer" in backend.describe()
     lines = fallback_lines(caplog)
-    assert len(lines) == 1 and "gelu_tanh_and_mul" in lines[0], lines
+    assert len(lines) == 1 and "relu_and_mul" in lines[0], lines
     prompts = corpus_prompts(llm.tokenizer, lens=[1, 17, 70])
     for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))):
         assert out.token_ids == hf_greedy(path, prompt, NEW_TOKENS)
@@ -169,7 +201,7 @@ def test_the_stack_checks_each_tensor_by_name(tiny_llama):
         (broken(lambda t: {**t, "o.packed": t["down.packed"]}), "o must take"),
         (broken(lambda t: {**t, "k_cache": t["k_cache"][:, :1]}), "KV cache view"),
         (broken(lambda t: {**t, "mlp_norm.bias": t["mlp_norm.weight"]}), "RMSNorm has a weight and no bias"),
-        (broken(activation="gelu_tanh_and_mul"), "activation must be"),
+        (broken(activation="relu_and_mul"), "activation must be"),
         (broken(norm="group"), "norm must be"),
         (broken(final_norm={}), "needs the tensor weight"),
     ]

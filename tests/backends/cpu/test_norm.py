@@ -47,3 +47,28 @@ def test_strided_input_is_copied_not_misread():
     torch_norm, kernel_norm = norms(64)
     x = torch.randn(64, 7).t()   # (7, 64), not contiguous
     torch.testing.assert_close(kernel_norm(x), torch_norm(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,H,Hkv,n", [(1, 14, 2, 64), (37, 8, 4, 16), (300, 4, 1, 256)])
+@pytest.mark.parametrize("whole", [False, True])
+def test_heads_in_place_on_qkv_views(T, H, Hkv, n, whole):
+    """q/k norms (Qwen3, Gemma 3: each head; OLMo 2: the whole projection) in place on the views of
+    the qkv product: the bits of the kernel on a contiguous copy (what the modules run) and close to torch."""
+    torch.manual_seed(2)
+    D = n
+    qkv = torch.randn(T, (H + 2 * Hkv) * D) * 3
+    width = H * D if whole else D
+    weight = torch.randn(width)
+    got = qkv.clone()
+    q = got[:, :H * D].view(T, -1, width)
+    cpu_ops().rms_norm_heads_(q, weight, 1e-6)
+    want = cpu_ops().rms_norm(qkv[:, :H * D].reshape(-1, width).contiguous(), weight, 1e-6)
+    assert torch.equal(got[:, :H * D].reshape(-1, width), want)
+    torch.testing.assert_close(want, F.rms_norm(qkv[:, :H * D].reshape(-1, width), (width,), weight, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, H * D:], qkv[:, H * D:])   # k and v untouched
+    # the module path's norm over (T, H, D) heads is the same kernel
+    norm = CpuRMSNorm(width, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    assert torch.equal(norm(qkv[:, :H * D].view(T, -1, width)).reshape(-1, width), want)

@@ -37,3 +37,26 @@ def test_lookup_asks_for_the_kernel_only_in_fp32():
     assert rotary.lookup(positions, torch.float32).rotate is cpu_ops().rotary_embedding
     assert rotary.lookup(positions, torch.bfloat16).rotate is None
     assert RotaryEmbedding(32, 64, 10000.0).lookup(positions, torch.float32).rotate is None
+
+
+@pytest.mark.parametrize("T,H,Hkv,D,R", [(1, 14, 2, 64, 48), (37, 8, 4, 32, 16), (5, 4, 1, 256, 128), (3, 2, 1, 20, 6)])
+def test_partial_rotary_rotates_the_first_dims(T, H, Hkv, D, R):
+    """A partial rotary (Phi-4-mini): cos/sin R wide rotate dims i and i + R/2 of the first R; the rest pass through."""
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(R, 4096, 10000.0)   # a partial rotary's tables: the frequencies of R dims
+    rope = rotary.lookup(torch.randint(0, 4096, (T,)), torch.float32)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D) * 3
+    got = qkv.clone()
+    q, k = got[:, :H * D].view(T, H, D), got[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+    cpu_ops().rotary_embedding(q, k, rope.cos, rope.sin)
+    for x, ref in ((q, qkv[:, :H * D].view(T, H, D)), (k, qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D))):
+        want_rot = apply_rotary(rope, ref[..., :R], ref[..., :R])[0]
+        assert torch.equal(x[..., :R], want_rot)
+        assert torch.equal(x[..., R:], ref[..., R:])
+    assert torch.equal(got[:, (H + Hkv) * D:], qkv[:, (H + Hkv) * D:])
+
+
+def test_rotary_tables_wider_than_the_head_are_refused():
+    q, k = torch.zeros(2, 2, 16), torch.zeros(2, 1, 16)
+    with pytest.raises(RuntimeError, match="as wide as the head or narrower"):
+        cpu_ops().rotary_embedding(q, k, torch.zeros(2, 1, 32), torch.zeros(2, 1, 32))

@@ -2,8 +2,9 @@
 linear_cpu.cpp (linears on pre-packed weights, whose tiles packed_tiles.h holds), argmax_cpu.cpp
 (greedy tokens from the packed lm_head without the logits), attention_cpu.cpp (decode attention read
 straight from the paged KV cache), prefill_attention_cpu.cpp (causal attention of prefill chunks,
-also read in place), activation_cpu.cpp (SwiGLU's silu(gate) * up in one pass), norm_cpu.cpp
-(RMSNorm, fused with the residual add before it) and rotary_cpu.cpp (RoPE on q and k in place);
+also read in place), activation_cpu.cpp (SwiGLU's silu(gate) * up and GeGLU's gelu_tanh(gate) * up
+in one pass), norm_cpu.cpp (RMSNorm, fused with the residual add before it, and in place over q/k
+heads) and rotary_cpu.cpp (RoPE on q and k in place, full or partial);
 buffer_pool.cpp keeps the freed big outputs of the linears and SwiGLU for reuse.
 
 Written once over ATen's portable vector layer (vec.h) and compiled per instruction set: "avx512"

@@ -2,6 +2,7 @@
 // its cached keys, read block by block through its block table. No gathered copy of K and V and
 // no padded mask: each key and value row is read once. Grouped-query attention: the G query heads
 // sharing a KV head are handled together, so each K/V row is read once per group, not per head.
+// A soft cap (Gemma 2: cap * tanh(score / cap)) is applied to the scores before the softmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "vec.h"
@@ -112,6 +113,14 @@ inline void prefetch_part(const T* const* rows, int64_t m, int64_t bytes, int64_
   }
 }
 
+// scores s[0:n] = cap * tanh(s / cap) in place
+inline void cap_scores(float* s, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; i += kVec) {
+    const int64_t c = std::min<int64_t>(kVec, n - i);
+    pdserve::softcap(fVec::loadu(s + i, c), cap).store(s + i, c);
+  }
+}
+
 // Heads per pass-2 chunk: half the vector registers as accumulators (16 of AVX-512's 32).
 constexpr int kAccRegs = kVec == 16 ? 16 : 8;
 template <int C> constexpr int64_t kMaxHeads = kAccRegs / (C * VP) > 0 ? kAccRegs / (C * VP) : 1;
@@ -146,10 +155,12 @@ inline void weigh_values(int64_t gn, const T* const* vrows, int64_t off, int64_t
 }
 
 // C = head_dim / 16 is a template argument so that q and the accumulators live in registers
+// (up to head_dim 128 on AVX-512, 64 on AVX2; 256 spills, correct but unmeasured). cap: the
+// scores' soft cap, 0: none.
 template <typename T, int C>
 void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* ctx,
                  float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t nb, int64_t bs,
-                 float scale, int64_t window) {
+                 float scale, int64_t window, float cap) {
   const int64_t G = H / Hkv, row = Hkv * D;   // row: elements per cache slot
   // A task is a sequence's KV heads, or a part of them when there are fewer sequences than threads
   // to share: its keys and values are then read as whole contiguous slots, which the hardware
@@ -209,6 +220,8 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
           }
         }
       }
+      if (cap > 0)
+        for (int64_t g = 0; g < nh * G; ++g) cap_scores(scores.data() + g * len, len, cap);
       for (int64_t g = 0; g < nh * G; ++g) softmax(scores.data() + g * len, len);
       // pass 2: weighted sum of values. Each value row is loaded once per tile and head chunk and
       // feeds the accumulators of all the chunk's heads: GN x C independent FMA chains per key
@@ -234,41 +247,46 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
 
 template <typename T>
 void decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& tables,
-            const torch::Tensor& ctx, torch::Tensor& out, int64_t bs, float scale, int64_t window) {
+            const torch::Tensor& ctx, torch::Tensor& out, int64_t bs, float scale, int64_t window, float cap) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
   auto args = std::make_tuple(q.data_ptr<float>(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables.data_ptr<int64_t>(),
-                              ctx.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, D, nb, bs, scale, window);
+                              ctx.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, D, nb, bs, scale, window, cap);
   switch (D / 16) {
     case 1: std::apply(decode_impl<T, 1>, args); break;
     case 2: std::apply(decode_impl<T, 2>, args); break;
     case 4: std::apply(decode_impl<T, 4>, args); break;
     case 6: std::apply(decode_impl<T, 6>, args); break;
     case 8: std::apply(decode_impl<T, 8>, args); break;
-    default: TORCH_CHECK(false, "decode attention kernel: head_dim must be 16, 32, 64, 96 or 128");
+    case 16: std::apply(decode_impl<T, 16>, args); break;
+    default: TORCH_CHECK(false, "decode attention kernel: head_dim must be 16, 32, 64, 96, 128 or 256");
   }
 }
 
 }  // namespace
 
 // q: (B, H, D) fp32; k_cache, v_cache: (slots, Hkv, D) fp32|bf16; block_tables: (B, nb) int64;
-// ctx_lens: (B,) int64 keys per sequence (including this step's). Returns (B, H, D) fp32.
+// ctx_lens: (B,) int64 keys per sequence (including this step's); softcap: the scores' cap, 0: none.
+// Returns (B, H, D) fp32.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
-                                     double scale, int64_t sliding_window) {
+                                     double scale, int64_t sliding_window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be (B, H, D) fp32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               "bad cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong &&
               block_tables.is_contiguous() && ctx_lens.is_contiguous(), "tables and lengths must be int64");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 96 || D == 128) && H % Hkv == 0 && k_cache.size(2) == D, "unsupported head shape");
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 96 || D == 128 || D == 256) && H % Hkv == 0 &&
+              k_cache.size(2) == D, "unsupported head shape");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   auto out = torch::empty_like(q);
   if (B == 0) return out;
   if (k_cache.scalar_type() == at::kFloat) {
-    decode<float>(q, k_cache, v_cache, block_tables, ctx_lens, out, block_size, static_cast<float>(scale), sliding_window);
+    decode<float>(q, k_cache, v_cache, block_tables, ctx_lens, out, block_size, static_cast<float>(scale), sliding_window,
+                  static_cast<float>(softcap));
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     decode<at::BFloat16>(q, k_cache, v_cache, block_tables, ctx_lens, out, block_size, static_cast<float>(scale),
-                         sliding_window);
+                         sliding_window, static_cast<float>(softcap));
   } else {
     TORCH_CHECK(false, "cache dtype must be float32 or bfloat16");
   }

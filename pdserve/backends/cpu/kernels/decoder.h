@@ -38,53 +38,72 @@ struct StackLinear {
   torch::Tensor packed, scale, bias;
   int64_t n = 0;
 };
-// A norm's fp32 weight and bias (empty: none).
+// A norm's fp32 weight and bias (empty: none); on: the recipe has this norm (a LayerNorm without
+// affine parameters has neither tensor).
 struct StackNorm {
   torch::Tensor weight, bias;
+  bool on = false;
 };
 struct StackLayer {
-  StackNorm attn_norm, mlp_norm;
+  StackNorm attn_norm, mlp_norm, q_norm, k_norm, post_attn_norm, post_mlp_norm;
   StackLinear qkv, o, up, down;
   torch::Tensor k_cache, v_cache;
   int64_t window = 0;   // this layer's sliding window (0: none), from its attention module
+  int64_t rotary = -1;  // this layer's (cos, sin) table in forward's lists, -1: no RoPE
 };
 
 // A decoder's layers for one engine step in one call, after the recipe a model declares
 // (pdserve/models/decoder_spec.py; the CPU backend collects each layer's tensors by name):
 //   norm: "rms" | "layer"; norm_position: "pre" (a norm before each block, the residual stream
-//   apart) | "post" (a norm after each residual add); rotary: rotate-half RoPE on q and k;
-//   activation: "silu_and_mul" (up is gate then up rows) | "relu" | "gelu" | "silu";
-//   final_norm: a pre-norm stack ends with this norm of the stream.
+//   apart) | "post" (a norm after each residual add);
+//   norms: the norms each layer has, of attn_norm, mlp_norm (both in a post-norm stack), and,
+//   pre-norm only: q_norm, k_norm (RMSNorms of q and k before RoPE: their weight has head_dim
+//   entries, per head, or all of q's or k's, over the whole projection), post_attn_norm,
+//   post_mlp_norm (of a block's output before it joins the stream);
+//   rotary: each layer's index into forward's cos/sin lists, -1: no RoPE (rotate-half, on q and k;
+//   a table narrower than the head rotates its first dims only);
+//   activation: "silu_and_mul" | "gelu_tanh_and_mul" (up is gate then up rows) | "relu" | "gelu" | "silu";
+//   final_norm: a pre-norm stack ends with this norm of the stream;
+//   windows: each layer's sliding window (0: full attention); softcap: the attention scores' cap
+//   (cap * tanh(s / cap), 0: none); residual_multiplier: each block's output is scaled by it as it
+//   joins the stream (pre-norm).
+// A pre-norm layer, every optional part shown (r = residual_multiplier):
+//   h = attn_norm(x); q, k, v = qkv(h); q, k = q_norm(q), k_norm(k); q, k = rope(q, k)
+//   x = x + r * post_attn_norm(o(attention(q, k, v)))
+//   x = x + r * post_mlp_norm(down(act(up(mlp_norm(x)))))
 // Each layer is a dict of the names below (a missing optional one: none); the constructor checks
 // every name and shape and throws ValueError on any it cannot run.
-//   attn_norm.weight, attn_norm.bias, mlp_norm.weight, mlp_norm.bias,
+//   <norm>.weight, <norm>.bias for each norm of `norms`,
 //   {qkv,o,up,down}.packed, {qkv,o,up,down}.scale, {qkv,o,up,down}.bias, k_cache, v_cache
-// windows: each layer's sliding window (0: full attention).
 class DecoderStack {
  public:
   DecoderStack(const std::vector<std::map<std::string, torch::Tensor>>& layers,
                const std::map<std::string, torch::Tensor>& final_norm, bool has_final_norm, std::string norm,
-               std::string norm_position, bool rotary, std::string activation, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale,
-               const std::vector<int64_t>& windows);
+               std::string norm_position, const std::vector<std::string>& norms, const std::vector<int64_t>& rotary,
+               std::string activation, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               int64_t intermediate_size, double eps, double scale, const std::vector<int64_t>& windows,
+               double softcap, double residual_multiplier);
 
-  // x: (T, hidden) fp32 input of the first layer for the step's flat batch; cos, sin: (T, D) of
-  // each position (empty without rotary). Returns the final norm's output, or the residual
-  // stream after the last layer where there is none.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const AttentionStep& step);
+  // x: (T, hidden) fp32 input of the first layer for the step's flat batch; cos[i], sin[i]: (T, R)
+  // (or (T, 1, R)) of each position, rotary table i (R <= head_dim, even). Returns the final norm's
+  // output, or the residual stream after the last layer where there is none.
+  torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                        const AttentionStep& step);
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   torch::Tensor norm(const torch::Tensor& x, const StackNorm& n) const;
   torch::Tensor add_norm(torch::Tensor& x, torch::Tensor& residual, const StackNorm& n) const;
+  torch::Tensor enter(torch::Tensor& x, torch::Tensor& residual, const StackNorm& n, bool first) const;
+  torch::Tensor leave(torch::Tensor y, const StackNorm& n) const;
 
   std::vector<StackLayer> layers_;
   StackNorm final_norm_;
-  bool has_final_norm_, rms_, pre_norm_, rotary_;
+  bool has_final_norm_, rms_, pre_norm_;
   std::string act_;
-  int64_t H_, Hkv_, D_, I_, hidden_;
-  double eps_, scale_;
+  int64_t H_, Hkv_, D_, I_, hidden_, tables_ = 0;   // tables_: rotary tables forward takes
+  double eps_, scale_, softcap_, r_;
 };
 
 }  // namespace pdserve

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include "decoder.h"
 #include "ops.h"
 #include "vec.h"
@@ -50,14 +51,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 // PagedAttention.forward (layers/attention.py) on the kernels: write this step's K/V to their
 // slots, then the decodes and the prefill chunks. q: (T, H, D), k, v: (T, Hkv, D). Returns (T, H * D).
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
-                        torch::Tensor& v_cache, const AttentionStep& s, double scale, int64_t window) {
+                        torch::Tensor& v_cache, const AttentionStep& s, double scale, int64_t window, double cap) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), num_decodes = s.decode_tables.size(0);
   write_cache(k_cache, k, s.slot_mapping);
   write_cache(v_cache, v, s.slot_mapping);
   auto qf = q.contiguous();
   auto decode = [&](const torch::Tensor& rows) {   // the decode rows' queries -> their outputs
     return paged_decode_attention(rows, k_cache, v_cache, s.decode_tables, s.decode_ctx, s.block_size, scale,
-                                  window);
+                                  window, cap);
   };
   if (num_decodes == T && s.decode_first_row == 0)   // decodes only: the kernel's output is the result
     return decode(qf).view({T, H * D});
@@ -70,7 +71,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   }
   if (s.prefill_q_lens.size(0) > 0)
     paged_prefill_attention(qf, k_cache, v_cache, s.prefill_tables, s.prefill_starts, s.prefill_q_lens, s.prefill_ctx,
-                            out, s.block_size, scale, window);
+                            out, s.block_size, scale, window, cap);
   return out.view({T, H * D});
 }
 
@@ -112,7 +113,7 @@ StackLinear take_linear(const std::map<std::string, torch::Tensor>& t, const std
 
 StackNorm take_norm(const std::map<std::string, torch::Tensor>& t, const std::string& prefix, bool rms, int64_t n) {
   StackNorm m{fp32_vector(take(t, prefix + "weight", rms), n, prefix + "weight"),
-              fp32_vector(take(t, prefix + "bias", false), n, prefix + "bias")};
+              fp32_vector(take(t, prefix + "bias", false), n, prefix + "bias"), true};
   TORCH_CHECK_VALUE(!rms || (m.weight.defined() && !m.bias.defined()), "an RMSNorm has a weight and no bias (",
                     prefix, ")");
   return m;
@@ -180,37 +181,64 @@ AttentionStep AttentionStep::from_buffer(const torch::Tensor& buf, int64_t offse
 
 DecoderStack::DecoderStack(const std::vector<std::map<std::string, torch::Tensor>>& layers,
                            const std::map<std::string, torch::Tensor>& final_norm, bool has_final_norm,
-                           std::string norm, std::string norm_position, bool rotary, std::string activation,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                           double eps, double scale, const std::vector<int64_t>& windows)
-    : has_final_norm_(has_final_norm), rms_(norm == "rms"), pre_norm_(norm_position == "pre"), rotary_(rotary),
+                           std::string norm, std::string norm_position, const std::vector<std::string>& norms,
+                           const std::vector<int64_t>& rotary, std::string activation, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale,
+                           const std::vector<int64_t>& windows, double softcap, double residual_multiplier)
+    : has_final_norm_(has_final_norm), rms_(norm == "rms"), pre_norm_(norm_position == "pre"),
       act_(std::move(activation)), H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate_size),
-      eps_(eps), scale_(scale) {
+      eps_(eps), scale_(scale), softcap_(softcap), r_(residual_multiplier) {
   TORCH_CHECK_VALUE(norm == "rms" || norm == "layer", "norm must be rms or layer, got ", norm);
   TORCH_CHECK_VALUE(pre_norm_ || norm_position == "post", "norm_position must be pre or post, got ", norm_position);
-  TORCH_CHECK_VALUE(act_ == "silu_and_mul" || act_ == "relu" || act_ == "gelu" || act_ == "silu",
-                    "activation must be silu_and_mul, relu, gelu or silu, got ", act_);
+  TORCH_CHECK_VALUE(act_ == "silu_and_mul" || act_ == "gelu_tanh_and_mul" || act_ == "relu" || act_ == "gelu" ||
+                    act_ == "silu", "activation must be silu_and_mul, gelu_tanh_and_mul, relu, gelu or silu, got ", act_);
   TORCH_CHECK_VALUE(pre_norm_ || !has_final_norm_, "a post-norm stack has no final norm");
   TORCH_CHECK_VALUE(!layers.empty() && H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0 && I_ > 0, "bad decoder sizes");
-  TORCH_CHECK_VALUE(windows.size() == layers.size(), "one sliding window per layer expected, got ", windows.size(),
-                    " for ", layers.size(), " layers");
+  TORCH_CHECK_VALUE(windows.size() == layers.size() && rotary.size() == layers.size(),
+                    "one sliding window and one rotary table per layer expected, got ", windows.size(), " and ",
+                    rotary.size(), " for ", layers.size(), " layers");
+  TORCH_CHECK_VALUE(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
+  TORCH_CHECK_VALUE(pre_norm_ || residual_multiplier == 1.0, "a residual multiplier is for pre-norm stacks");
+  const std::vector<std::string> roles = {"attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"};
+  auto has = [&](const std::string& role) { return std::find(norms.begin(), norms.end(), role) != norms.end(); };
+  for (const auto& n : norms)
+    TORCH_CHECK_VALUE(std::find(roles.begin(), roles.end(), n) != roles.end(), "norms: no norm named ", n);
+  TORCH_CHECK_VALUE(pre_norm_ || (has("attn_norm") && has("mlp_norm")), "a post-norm stack has both block norms");
+  for (const char* role : {"q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"})
+    TORCH_CHECK_VALUE(pre_norm_ || !has(role), role, " is for pre-norm stacks");
+  TORCH_CHECK_VALUE(rms_ || !(has("q_norm") || has("k_norm")), "q_norm and k_norm are RMSNorms: the stack's norm must be rms");
   const auto& qkv = take(layers[0], "qkv.packed", true);
   hidden_ = qkv.dim() == 3 ? (qkv.size(2) == 32 ? 2 * qkv.size(1) : qkv.size(1)) : 0;
-  const std::vector<std::string> known = {
-      "attn_norm.weight", "attn_norm.bias", "mlp_norm.weight", "mlp_norm.bias", "qkv.packed", "qkv.scale",
-      "qkv.bias", "o.packed", "o.scale", "o.bias", "up.packed", "up.scale", "up.bias", "down.packed",
-      "down.scale", "down.bias", "k_cache", "v_cache"};
+  std::vector<std::string> known = {"qkv.packed", "qkv.scale", "qkv.bias", "o.packed", "o.scale", "o.bias", "up.packed",
+                                    "up.scale", "up.bias", "down.packed", "down.scale", "down.bias", "k_cache", "v_cache"};
+  for (const auto& n : norms) {
+    known.push_back(n + ".weight");
+    if (n != "q_norm" && n != "k_norm") known.push_back(n + ".bias");
+  }
+  const bool gated = act_ == "silu_and_mul" || act_ == "gelu_tanh_and_mul";
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& t = layers[i];
     check_names(t, known);
     StackLayer l;
     TORCH_CHECK_VALUE(windows[i] >= 0, "a sliding window must be >= 0 (0: none), got ", windows[i]);
+    TORCH_CHECK_VALUE(rotary[i] >= -1, "a layer's rotary table must be >= 0 (-1: no RoPE), got ", rotary[i]);
     l.window = windows[i];
-    l.attn_norm = take_norm(t, "attn_norm.", rms_, hidden_);
-    l.mlp_norm = take_norm(t, "mlp_norm.", rms_, hidden_);
+    l.rotary = rotary[i];
+    tables_ = std::max(tables_, rotary[i] + 1);
+    for (auto [role, dst] : {std::pair<const char*, StackNorm*>{"attn_norm", &l.attn_norm}, {"mlp_norm", &l.mlp_norm},
+                             {"post_attn_norm", &l.post_attn_norm}, {"post_mlp_norm", &l.post_mlp_norm}})
+      if (has(role)) *dst = take_norm(t, std::string(role) + ".", rms_, hidden_);
+    // q/k norms: per head (head_dim entries) or over the whole projection (heads x head_dim)
+    for (auto [role, dst, heads] : {std::tuple<const char*, StackNorm*, int64_t>{"q_norm", &l.q_norm, H_},
+                                    {"k_norm", &l.k_norm, Hkv_}}) {
+      if (!has(role)) continue;
+      const auto w = take(t, std::string(role) + ".weight", true);
+      const int64_t n = w.numel() == heads * D_ ? heads * D_ : D_;
+      *dst = take_norm(t, std::string(role) + ".", true, n);
+    }
     l.qkv = take_linear(t, "qkv", hidden_, (H_ + 2 * Hkv_) * D_);
     l.o = take_linear(t, "o", H_ * D_, hidden_);
-    l.up = take_linear(t, "up", hidden_, act_ == "silu_and_mul" ? 2 * I_ : I_);
+    l.up = take_linear(t, "up", hidden_, gated ? 2 * I_ : I_);
     l.down = take_linear(t, "down", I_, hidden_);
     l.k_cache = take(t, "k_cache", true);
     l.v_cache = take(t, "v_cache", true);
@@ -242,41 +270,68 @@ torch::Tensor DecoderStack::add_norm(torch::Tensor& x, torch::Tensor& residual, 
   return norm(residual, n);
 }
 
-torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, const AttentionStep& step) {
+// Pre-norm: x (the last block's output; the first layer's input where `first`) joins the stream
+// and the block's input is returned: the stream's norm, or the stream itself where the block has
+// no norm (OLMo 2: the block reads the stream, which the next join adds to in place after).
+torch::Tensor DecoderStack::enter(torch::Tensor& x, torch::Tensor& residual, const StackNorm& n, bool first) const {
+  if (first) {
+    residual = x;
+    return n.on ? norm(x, n) : x;
+  }
+  if (n.on) return add_norm(x, residual, n);
+  residual.add_(x);
+  return residual;
+}
+
+// Pre-norm: a block's output y as it joins the stream: its post norm (Gemma, OLMo 2), then times
+// the residual multiplier (Granite), in the modules' order and roundings.
+torch::Tensor DecoderStack::leave(torch::Tensor y, const StackNorm& n) const {
+  if (n.on) y = norm(y, n);
+  if (r_ != 1.0) y.mul_(r_);
+  return y;
+}
+
+torch::Tensor DecoderStack::forward(torch::Tensor x, const std::vector<torch::Tensor>& cos,
+                                    const std::vector<torch::Tensor>& sin, const AttentionStep& step) {
   check_x(x);
   TORCH_CHECK(x.size(1) == hidden_, "x must have rows of ", hidden_);
   const int64_t T = x.size(0), H = H_, Hkv = Hkv_, D = D_;
+  TORCH_CHECK(static_cast<int64_t>(cos.size()) == tables_ && static_cast<int64_t>(sin.size()) == tables_,
+              "the stack's layers take ", tables_, " rotary tables (cos and sin), got ", cos.size(), " and ", sin.size());
   torch::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& w = layers_[i];
     // pre-norm (Llama, OPT-125m): the norm of the stream before each block, the block's output
     // added at the next norm; post-norm (OPT-350m): x = norm(x + block(x)) after each block
-    torch::Tensor h = x;
-    if (pre_norm_) {
-      if (i == 0) {
-        residual = x;
-        h = norm(x, w.attn_norm);
-      } else {
-        h = add_norm(x, residual, w.attn_norm);
-      }
-    }
+    torch::Tensor h = pre_norm_ ? enter(x, residual, w.attn_norm, i == 0) : x;
     auto qkv = linear(h, w.qkv.packed, w.qkv.scale, w.qkv.bias, w.qkv.n);
     auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
     auto k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
     auto v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
-    if (rotary_) rotary_embedding(q, k, cos, sin);
-    auto o = linear(attention(q, k, v, w.k_cache, w.v_cache, step, scale_, w.window), w.o.packed, w.o.scale, w.o.bias, w.o.n);
+    // q/k norms in place on the views: rows of a head, or (viewed as one head) of the projection
+    if (w.q_norm.on) {
+      const int64_t n = w.q_norm.weight.numel();
+      rms_norm_heads_(q.view({T, H * D / n, n}), w.q_norm.weight, eps_);
+    }
+    if (w.k_norm.on) {
+      const int64_t n = w.k_norm.weight.numel();
+      rms_norm_heads_(k.view({T, Hkv * D / n, n}), w.k_norm.weight, eps_);
+    }
+    if (w.rotary >= 0) rotary_embedding(q, k, cos[w.rotary], sin[w.rotary]);
+    auto o = linear(attention(q, k, v, w.k_cache, w.v_cache, step, scale_, w.window, softcap_), w.o.packed, w.o.scale,
+                    w.o.bias, w.o.n);
     if (pre_norm_) {
-      h = add_norm(o, residual, w.mlp_norm);
+      o = leave(o, w.post_attn_norm);
+      h = enter(o, residual, w.mlp_norm, false);
     } else {
       x = norm(x + o, w.attn_norm);
       h = x;
     }
     auto u = linear(h, w.up.packed, w.up.scale, w.up.bias, w.up.n);
-    u = act_ == "silu_and_mul" ? silu_and_mul(u) : act_ == "relu" ? at::relu(u) : act_ == "gelu" ? at::gelu(u)
-                                                                                              : at::silu(u);
+    u = act_ == "silu_and_mul" ? silu_and_mul(u) : act_ == "gelu_tanh_and_mul" ? gelu_tanh_and_mul(u)
+        : act_ == "relu" ? at::relu(u) : act_ == "gelu" ? at::gelu(u) : at::silu(u);
     auto d = linear(u, w.down.packed, w.down.scale, w.down.bias, w.down.n);
-    x = pre_norm_ ? d : norm(x + d, w.mlp_norm);
+    x = pre_norm_ ? leave(d, w.post_mlp_norm) : norm(x + d, w.mlp_norm);
   }
   if (!pre_norm_) return x;
   if (has_final_norm_) return add_norm(x, residual, final_norm_);

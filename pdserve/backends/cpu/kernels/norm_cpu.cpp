@@ -1,6 +1,7 @@
 // RMSNorm of fp32 rows, alone or fused with the residual add before it (vLLM's fused_add_rms_norm):
 // one pass over the rows where torch runs an add and then rms_norm's own passes, each a parallel
-// region (a few tens of microseconds apiece at decode sizes, 2 x 24 of them per step).
+// region (a few tens of microseconds apiece at decode sizes, 2 x 24 of them per step). Also in
+// place over the heads of q or k, views of the qkv product (Qwen3's, Gemma 3's, OLMo 2's q/k norms).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "vec.h"
@@ -68,4 +69,25 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == x.size(1) && weight.is_contiguous(), "bad weight");
   norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(), x.data_ptr<float>(),
             x.size(0), x.size(1), float(eps), true);
+}
+
+// In place: each head row x[t, h] (n elements) = rms_norm(x[t, h]) * weight. x: (T, heads, n) fp32
+// with contiguous heads, its tokens strided (a view of the qkv product): per head (weight of
+// head_dim) or, viewed as (T, 1, H x head_dim), over the whole projection. The same rounding as
+// rms_norm on a contiguous copy of the rows.
+void rms_norm_heads_(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be (T, heads, n) fp32 with contiguous heads");
+  const int64_t T = x.size(0), heads = x.size(1), n = x.size(2), stride = x.stride(0);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == n && weight.is_contiguous(), "bad weight");
+  float* px = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kMinParallelBytes / (heads * n * int64_t(sizeof(float)) * 2));
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        float* row = px + t * stride + h * n;
+        norm_row(row, nullptr, w, row, n, float(eps), false);
+      }
+  });
 }

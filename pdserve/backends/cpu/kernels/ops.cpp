@@ -79,8 +79,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (activation_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu(x[:, :I], approximate='tanh') * x[:, I:] (activation_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows (norm_cpu.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual) (norm_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_heads_", &rms_norm_heads_, "in place: RMSNorm of each head row of (T, heads, n) q or k views (norm_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("pool_cached_bytes", &pdserve::pool_cached_bytes,
         "bytes of freed big outputs the kernels keep for reuse (buffer_pool.cpp)");
@@ -102,12 +106,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<pdserve::DecoderStack>(m, "DecoderStack", "a decoder's layers in one call, after its recipe (decoder_cpu.cpp)",
                                     py::module_local())
       .def(py::init<const std::vector<std::map<std::string, torch::Tensor>>&, const std::map<std::string, torch::Tensor>&,
-                    bool, std::string, std::string, bool, std::string, int64_t, int64_t, int64_t, int64_t, double,
-                    double, const std::vector<int64_t>&>(),
+                    bool, std::string, std::string, const std::vector<std::string>&, const std::vector<int64_t>&,
+                    std::string, int64_t, int64_t, int64_t, int64_t, double, double, const std::vector<int64_t>&,
+                    double, double>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("has_final_norm"), py::arg("norm"),
-           py::arg("norm_position"), py::arg("rotary"), py::arg("activation"), py::arg("num_heads"),
+           py::arg("norm_position"), py::arg("norms"), py::arg("rotary"), py::arg("activation"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"),
-           py::arg("windows"))
+           py::arg("windows"), py::arg("softcap"), py::arg("residual_multiplier"))
       .def_property_readonly("num_layers", &pdserve::DecoderStack::num_layers)
       .def("forward", &pdserve::DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE on q and k in place (rotary_cpu.cpp)",

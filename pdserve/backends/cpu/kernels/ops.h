@@ -14,11 +14,13 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
                                             torch::Tensor counts);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
-                                     double scale, int64_t sliding_window);
+                                     double scale, int64_t sliding_window, double softcap);
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                              torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens, torch::Tensor out,
-                             int64_t block_size, double scale, int64_t sliding_window);
+                             int64_t block_size, double scale, int64_t sliding_window, double softcap);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rms_norm_heads_(torch::Tensor x, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);

@@ -5,7 +5,8 @@
 // and needs the prefix gathered into a padded copy plus a (Q x K) mask; it was a third of a
 // 2048-token prefill (docs/BENCHMARKS.md). This is a flash-attention loop on the CPU: a tile of
 // query rows walks the keys a vector at a time with an online softmax, skipping every key tile that is
-// entirely in the future (half the work of a square mask) or outside the sliding window.
+// entirely in the future (half the work of a square mask) or outside the sliding window. A soft cap
+// (Gemma 2: cap * tanh(score / cap)) is applied to the scores before the softmax.
 //
 // Work item: (sequence, kv head, tile of query positions). The G query heads sharing a KV head are
 // rows of the same tile, so each key block is transposed once for G x QT rows. Per block of NT x KT
@@ -50,11 +51,11 @@ inline void with_tiles(int n, F&& f) {
 }
 
 // C = D / 16; R rows per register tile (R x D / KT accumulators fit in the vector registers); NT
-// tiles of KT keys per block (R x NT score accumulators, at most 16)
+// tiles of KT keys per block (R x NT score accumulators, at most 16). cap: the scores' soft cap, 0: none.
 template <typename T, int C, int R, int NT>
 void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* q_starts,
                   const int64_t* q_lens, const int64_t* ctx, float* out, int64_t B, int64_t H, int64_t Hkv,
-                  int64_t nb, int64_t bs, float scale, int64_t window) {
+                  int64_t nb, int64_t bs, float scale, int64_t window, float cap) {
   constexpr int D = 16 * C, CV = C * VP, KB = NT * KT;   // CV: vectors per row; KB: keys per block
   static_assert(R * NT <= 16 && D * KB * 4 <= kKtBytes, "block too big");
   const int64_t G = H / Hkv, row = Hkv * D;   // row: elements per cache slot
@@ -146,7 +147,7 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
             for (int t = 0; t < NT; ++t) {
               const fVec j = fVec::arange(static_cast<float>(t * KT), 1.f);   // the lanes' keys in the block
               mask[t] = (j >= vfrom) & (j < vhi);
-              si[t] = fVec::blendv(fVec(-INFINITY), s[i][t], mask[t]);
+              si[t] = fVec::blendv(fVec(-INFINITY), cap > 0 ? pdserve::softcap(s[i][t], cap) : s[i][t], mask[t]);
               mx = pdserve::maxps(mx, si[t]);
             }
             const float mnew = std::max(m[r], pdserve::reduce_max(mx));
@@ -194,11 +195,11 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
 template <typename T>
 void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& tables,
              const torch::Tensor& q_starts, const torch::Tensor& q_lens, const torch::Tensor& ctx, torch::Tensor& out,
-             int64_t bs, float scale, int64_t window) {
+             int64_t bs, float scale, int64_t window, float cap) {
   const int64_t B = q_lens.size(0), H = q.size(1), D = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
   auto args = std::make_tuple(q.data_ptr<float>(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables.data_ptr<int64_t>(),
                               q_starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
-                              out.data_ptr<float>(), B, H, Hkv, nb, bs, scale, window);
+                              out.data_ptr<float>(), B, H, Hkv, nb, bs, scale, window, cap);
   switch (D / 16) {
 #if defined(CPU_CAPABILITY_AVX512)
     // NT: as many 16-key tiles as fit R x NT <= 16 scores and 16 KB of transposed keys, at most 4
@@ -207,6 +208,8 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
     case 4: std::apply(prefill_impl<T, 4, 4, 4>, args); break;
     case 6: std::apply(prefill_impl<T, 6, 2, 2>, args); break;
     case 8: std::apply(prefill_impl<T, 8, 2, 2>, args); break;
+    // 256: one row of 16 accumulators, one tile of 16 keys (16 KB transposed)
+    case 16: std::apply(prefill_impl<T, 16, 1, 1>, args); break;
 #else
     // 16 registers of 8 lanes: R x D / 8 accumulators of O and R x NT of scores at most 12-16,
     // KB = 8 NT keys x D within 16 KB
@@ -215,8 +218,10 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
     case 4: std::apply(prefill_impl<T, 4, 1, 8>, args); break;
     case 6: std::apply(prefill_impl<T, 6, 1, 4>, args); break;
     case 8: std::apply(prefill_impl<T, 8, 1, 4>, args); break;
+    // 256: a row's 32 accumulators spill (correct, unmeasured); two tiles of 8 keys (16 KB)
+    case 16: std::apply(prefill_impl<T, 16, 1, 2>, args); break;
 #endif
-    default: TORCH_CHECK(false, "prefill attention kernel: head_dim must be 16, 32, 64, 96 or 128");
+    default: TORCH_CHECK(false, "prefill attention kernel: head_dim must be 16, 32, 64, 96, 128 or 256");
   }
 }
 
@@ -225,10 +230,11 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
 // q, out: (T, H, D) fp32, the step's flat batch; sequence b's queries are rows
 // q_starts[b] .. q_starts[b] + q_lens[b] and are its last q_lens[b] positions of ctx_lens[b] keys
 // (already written to the cache). k_cache, v_cache: (slots, Hkv, D) fp32|bf16; block_tables
-// (B, nb), q_starts, q_lens, ctx_lens: int64. Writes those rows of out; other rows are untouched.
+// (B, nb), q_starts, q_lens, ctx_lens: int64; softcap: the scores' cap, 0: none. Writes those rows
+// of out; other rows are untouched.
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                              torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens, torch::Tensor out,
-                             int64_t block_size, double scale, int64_t sliding_window) {
+                             int64_t block_size, double scale, int64_t sliding_window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be (T, H, D) fp32");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(), "bad out");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -236,15 +242,16 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   for (const auto& t : {block_tables, q_starts, q_lens, ctx_lens})
     TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "tables, starts and lengths must be int64");
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 96 || D == 128) && H % Hkv == 0 && k_cache.size(2) == D,
-              "unsupported head shape");
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 96 || D == 128 || D == 256) && H % Hkv == 0 &&
+              k_cache.size(2) == D, "unsupported head shape");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   if (q_lens.size(0) == 0) return;
   if (k_cache.scalar_type() == at::kFloat) {
     prefill<float>(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, out, block_size,
-                   static_cast<float>(scale), sliding_window);
+                   static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     prefill<at::BFloat16>(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, out, block_size,
-                          static_cast<float>(scale), sliding_window);
+                          static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
   } else {
     TORCH_CHECK(false, "cache dtype must be float32 or bfloat16");
   }

@@ -117,4 +117,13 @@ inline fVec exp(fVec x) {
   return scale2(p, n);
 }
 
+// tanh(y) = 2 / (1 + exp(-2y)) - 1: absolute error ~1e-7 (relative error grows near 0, where the
+// two terms cancel); what a soft cap needs, whose scores enter the softmax by their absolute value
+inline fVec tanh(const fVec& y) {
+  return fVec(2.f) / (fVec(1.f) + exp(fVec(-2.f) * y)) - fVec(1.f);
+}
+
+// An attention score's soft cap (Gemma 2): cap * tanh(s / cap)
+inline fVec softcap(const fVec& s, float cap) { return fVec(cap) * tanh(s / fVec(cap)); }
+
 }  // namespace pdserve
