@@ -40,6 +40,7 @@ from tools import CORPUS_DIR
 from pdserve.errors import CheckpointError
 
 ARCHS = ("opt", "llama", "qwen2", "mistral")
+ARCHS += ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")
 SIZES = ("tiny", "0.5b")
 INIT_GAIN = 2.0  # weight matrices: std = INIT_GAIN / sqrt(fan_in), 0.25 at width 64
 EMBED_GAIN = 8.0  # embeddings and lm_head: std = EMBED_GAIN / sqrt(dim), 1.0 at 64; sets the logit scale
@@ -75,6 +76,9 @@ FAMILIES = {
                   template=CHATML, extra_eos=["<|im_end|>"]),
 }
 FAMILIES["mistral"] = FAMILIES["llama"]
+FAMILIES["qwen3"] = FAMILIES["qwen2"]
+for _arch in ("olmo2", "granite", "smollm3", "ministral", "ministral3"):
+    FAMILIES[_arch] = FAMILIES["llama"]
 
 # Model shapes. Tiny: fast CPU tests, grouped-query attention for the llama family.
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, opt_ffn=256, max_pos=1024, vocab=1500)
@@ -178,11 +182,41 @@ def build_config(arch: str, size: str, vocab_size: int, special_ids: dict, overr
         return transformers.LlamaConfig(**{**kw, **overrides})
     if arch == "mistral":
         return transformers.MistralConfig(**{**kw, "sliding_window": None, **overrides})
+    # The 2026 families: windows shorter than the test prompts where the family has them, an explicit
+    # head_dim unlike hidden / heads (Qwen3), NoPE layers (SmolLM3), non-trivial multipliers (Granite).
+    # (Tiny here; at 0.5b the same features at Qwen2.5-0.5B's shape.)
+    tiny, head_dim = size == "tiny", s["hidden"] // s["heads"]
+    if arch == "qwen3":   # layer 0 full attention, layer 1 windowed (from max_window_layers)
+        return transformers.Qwen3Config(**{**kw, "head_dim": 2 * head_dim, "tie_word_embeddings": True,
+                                           "use_sliding_window": tiny, "sliding_window": 16, "max_window_layers": 1,
+                                           **overrides})
+    if arch == "olmo2":
+        return transformers.Olmo2Config(**{**kw, **overrides})
+    if arch == "granite":   # Granite 3's are 12, 1/128, 0.22 and 8; milder here, so greedy margins stay wide
+        return transformers.GraniteConfig(**{**kw, "embedding_multiplier": 4.0, "attention_multiplier": 0.15,
+                                             "residual_multiplier": 0.5, "logits_scaling": 2.0,
+                                             "tie_word_embeddings": True, **overrides})
+    if arch == "smollm3":   # 4 layers: RoPE full, NoPE windowed, RoPE windowed, NoPE full
+        layers = dict(num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=16,
+                      layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+        return transformers.SmolLM3Config(**{**kw, **(layers if tiny else {}), **overrides})
+    if arch == "ministral":   # Ministral 8B's interleaving: windowed, then full
+        types = ["sliding_attention", "full_attention"] * (s["layers"] // 2)
+        return transformers.MinistralConfig(**{**kw, "head_dim": head_dim, "sliding_window": 16 if tiny else 4096,
+                                               "layer_types": types, **overrides})
+    if arch == "ministral3":   # plain RoPE (yarn: rope_parameters), q scaled from position 64 on
+        rope = {"rope_type": "default", "rope_theta": kw["rope_theta"], "llama_4_scaling_beta": 0.1,
+                "original_max_position_embeddings": 64 if tiny else 16384}
+        return transformers.Ministral3Config(**{**kw, "head_dim": head_dim, "rope_parameters": rope,
+                                                "sliding_window": None, **overrides})
     return transformers.Qwen2Config(**{**kw, "use_sliding_window": False, **overrides})
 
 
 MODEL_CLASSES = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "mistral": "MistralForCausalLM"}
+MODEL_CLASSES.update(qwen3="Qwen3ForCausalLM", olmo2="Olmo2ForCausalLM", granite="GraniteForCausalLM",
+                     smollm3="SmolLM3ForCausalLM", ministral="MinistralForCausalLM",
+                     ministral3="Ministral3ForCausalLM")
 
 
 def init_weights(model, seed: int) -> None:
