@@ -5,7 +5,7 @@ it joins the stream, and the logits are divided by logits_scaling."""
 from dataclasses import replace
 
 from pdserve.config import ModelConfig
-from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, llama_variant, refuse
+from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, refuse, swiglu_variant
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
@@ -19,7 +19,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
         if m["logits_scaling"] <= 0:   # the greedy argmax is taken before the scaling: it must keep the order
             refuse(cfg, f"logits_scaling must be > 0, got {m['logits_scaling']!r}")
         # GraniteConfig has no sliding window
-        return replace(llama_variant(cfg), windows=(None,) * cfg.num_layers,
+        return replace(swiglu_variant(cfg, (None,) * cfg.num_layers),
                        embedding_multiplier=float(m["embedding_multiplier"]),
                        attention_scale=float(m["attention_multiplier"]),
                        residual_multiplier=float(m["residual_multiplier"]),

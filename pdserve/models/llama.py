@@ -43,12 +43,21 @@ class LlamaVariant:
     query_scale: tuple[float, int] | None = None
 
 
-def llama_variant(cfg: ModelConfig) -> LlamaVariant:
-    """Llama's, Qwen2's (q/k/v bias, no o bias) and Mistral's: the windows as config.py reads them."""
+def llama_variant(cfg: ModelConfig, windows: tuple[int | None, ...] | None = None) -> LlamaVariant:
+    """Llama's, Qwen2's (q/k/v bias, no o bias) and Mistral's; the windows as config.py reads them
+    unless given (a family's own rule)."""
     qwen2 = cfg.architecture == "Qwen2ForCausalLM"
     bias = bool(cfg.raw.get("attention_bias", False))
-    return LlamaVariant(windows=tuple(cfg.layer_windows), qkv_bias=qwen2 or bias, o_bias=not qwen2 and bias,
-                        eps=cfg.rms_norm_eps)
+    return LlamaVariant(windows=tuple(cfg.layer_windows if windows is None else windows), qkv_bias=qwen2 or bias,
+                        o_bias=not qwen2 and bias, eps=cfg.rms_norm_eps)
+
+
+def swiglu_variant(cfg: ModelConfig, windows: tuple[int | None, ...]) -> LlamaVariant:
+    """llama_variant with the family's windows, for a family whose transformers MLP gates by
+    config.json's hidden_act: one other than silu is refused (the MLP here is SwiGLU)."""
+    if (act := cfg.raw.get("hidden_act", "silu")) != "silu":
+        refuse(cfg, f"hidden_act {act!r} is not supported (supported: silu)")
+    return llama_variant(cfg, windows)
 
 
 def refuse(cfg: ModelConfig, reason: str):

@@ -9,7 +9,7 @@ pdserve serves text-only checkpoints, and refuses that architecture (docs/ARCHIT
 from dataclasses import replace
 
 from pdserve.config import ModelConfig
-from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, llama_variant, refuse, windows_of
+from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, refuse, swiglu_variant, windows_of
 
 
 class MinistralForCausalLM(LlamaForCausalLM):
@@ -24,7 +24,7 @@ class MinistralForCausalLM(LlamaForCausalLM):
         # key, on every layer where it has no layer_types (MinistralConfig's defaults)
         window = cfg.raw.get("sliding_window", 4096)
         types = cfg.raw.get("layer_types") or ["sliding_attention"] * cfg.num_layers
-        return replace(llama_variant(cfg), windows=windows_of(cfg, window, types), qkv_bias=False, o_bias=False)
+        return replace(swiglu_variant(cfg, windows_of(cfg, window, types)), qkv_bias=False, o_bias=False)
 
 
 class Ministral3ForCausalLM(LlamaForCausalLM):
@@ -48,6 +48,6 @@ class Ministral3ForCausalLM(LlamaForCausalLM):
                         f"original_max_position_embeddings (a positive integer), got {beta!r} and {period!r}")
         # layer_types are ignored (transformers warns): one window, or none, for every layer
         window = cfg.raw.get("sliding_window")
-        return replace(llama_variant(cfg), windows=windows_of(cfg, window, ["sliding_attention"] * cfg.num_layers),
+        return replace(swiglu_variant(cfg, windows_of(cfg, window, ["sliding_attention"] * cfg.num_layers)),
                        qkv_bias=False, o_bias=False, eps=float(cfg.raw.get("rms_norm_eps", 1e-5)),
                        query_scale=(float(beta), period))

@@ -1,14 +1,14 @@
 """OLMo 2 (transformers' Olmo2ForCausalLM): no norm before the blocks; each block's output is
 normed (post_attention_layernorm, post_feedforward_layernorm) before it joins the stream, and q
 and k are normed over their whole projections (H x head_dim, Hkv x head_dim) before RoPE."""
-import torch
 from dataclasses import replace
+
+import torch
 from torch import nn
 
 from pdserve.config import ModelConfig
-from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.rotary import Rope
-from pdserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant, llama_variant
+from pdserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant, swiglu_variant
 
 
 class Olmo2DecoderLayer(nn.Module):
@@ -16,7 +16,7 @@ class Olmo2DecoderLayer(nn.Module):
     norms = dict(attn_norm=None, mlp_norm=None, post_attn_norm="post_attention_layernorm",
                  post_mlp_norm="post_feedforward_layernorm")
 
-    def __init__(self, cfg: ModelConfig, layer: int, norm=RMSNorm, variant: LlamaVariant | None = None):
+    def __init__(self, cfg: ModelConfig, layer: int, norm, variant: LlamaVariant):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, variant, norm)
         self.mlp = LlamaMLP(cfg)
@@ -37,5 +37,5 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:
         # Olmo2Config has no sliding window; its eps defaults to 1e-5
-        return replace(llama_variant(cfg), windows=(None,) * cfg.num_layers, qk_norm="proj",
+        return replace(swiglu_variant(cfg, (None,) * cfg.num_layers), qk_norm="proj",
                        eps=float(cfg.raw.get("rms_norm_eps", 1e-5)))

@@ -3,7 +3,7 @@ RoPE, an explicit head_dim, no q/k/v bias, and Qwen2's sliding-window layers."""
 from dataclasses import replace
 
 from pdserve.config import ModelConfig
-from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, llama_variant, windows_of
+from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, swiglu_variant, windows_of
 
 
 def qwen_windows(cfg: ModelConfig) -> tuple[int | None, ...]:
@@ -27,4 +27,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:
-        return replace(llama_variant(cfg), windows=qwen_windows(cfg), qk_norm="head")
+        return replace(swiglu_variant(cfg, qwen_windows(cfg)), qk_norm="head")

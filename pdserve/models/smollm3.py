@@ -4,7 +4,7 @@ sliding-window layers (layer_types, under use_sliding_window)."""
 from dataclasses import replace
 
 from pdserve.config import ModelConfig
-from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, llama_variant, refuse, windows_of
+from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, refuse, swiglu_variant, windows_of
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
@@ -33,5 +33,5 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
             # no one answer to be exact to
             refuse(cfg, "layer_types has sliding_attention layers but use_sliding_window is false or "
                         "sliding_window is null (transformers' attention implementations disagree on such a model)")
-        return replace(llama_variant(cfg), windows=windows_of(cfg, window, types),
+        return replace(swiglu_variant(cfg, windows_of(cfg, window, types)),
                        rope_layers=tuple(bool(r) for r in rope))

@@ -114,7 +114,7 @@ def test_prefix_cache_preemption_and_speculation_keep_outputs(model_path, cpu_ke
     """Prompts that share a 48-token prefix, a KV cache too small for all of them at once, and
     n-gram drafts verified in every step: each output is still transformers' greedy one."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
-    llm = LLM(model_path, cpu_kernels=cpu_kernels, num_kv_blocks=14, block_size=16, max_num_batched_tokens=64,
+    llm = LLM(model_path, cpu_kernels=cpu_kernels, num_kv_blocks=9, block_size=16, max_num_batched_tokens=64,
               speculative_config=spec)
     llm.engine.speculator.cost_model = None   # propose in every step, whatever the cost model says
     system, *questions = corpus_prompts(llm.tokenizer, lens=[48, 9, 30, 3, 50, 20, 41, 7])
@@ -242,8 +242,8 @@ def test_decoder_specs_declare_each_familys_parts(make_tiny):
     assert model.get_submodule(f"model.layers.0.{s.q_norm}").weight.shape == (4 * 16,)   # the whole projection
     assert model.get_submodule(f"model.layers.0.{s.k_norm}").weight.shape == (2 * 16,)
     model, s = spec_of(make_tiny, "granite")
-    assert s.residual_multiplier == 0.5 and s.q_norm is None
-    assert model.get_submodule(f"model.layers.0.{s.attention}").scale == 0.15
+    assert s.residual_multiplier == 0.7 and s.q_norm is None
+    assert model.get_submodule(f"model.layers.0.{s.attention}").scale == 0.2
     model, s = spec_of(make_tiny, "smollm3")
     assert s.layer_rotary == ("model.rotary", None, "model.rotary", None) and s.rotary_of(1) is None
     model, s = spec_of(make_tiny, "ministral")
@@ -287,6 +287,9 @@ def test_configs_it_cannot_serve_exactly_are_refused(make_tiny, tmp_path):
     # a Granite whose logits scaling would reverse the greedy argmax
     msg = refused(edited(make_tiny, tmp_path, "granite", lambda r: r.update(logits_scaling=-2.0)))
     assert "logits_scaling" in msg
+    # an activation other than SwiGLU's
+    msg = refused(edited(make_tiny, tmp_path, "olmo2", lambda r: r.update(hidden_act="gelu")))
+    assert "hidden_act" in msg
     # a layer type pdserve has no attention for
     msg = refused(edited(make_tiny, tmp_path, "ministral", lambda r: r.update(
         layer_types=["chunked_attention", "full_attention"])))
