@@ -1,9 +1,10 @@
 """`python -m tools.make_model`: write a real HF checkpoint with random weights and a trained tokenizer.
 
-The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral, Gemma 2, Gemma 3
-(text), Phi-3) and saved with `save_pretrained(safe_serialization=True)`; the tokenizer is a
-byte-level BPE trained with HF `tokenizers` on the corpus shipped in tools/corpus, following each
-family's special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
+The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral; Gemma 2, Gemma 3
+(text), Phi-3; Qwen3, OLMo 2, Granite, SmolLM3, Ministral, Ministral 3) and saved with
+`save_pretrained(safe_serialization=True)`; the tokenizer is a byte-level BPE trained with HF
+`tokenizers` on the corpus shipped in tools/corpus, following each family's
+special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
 give identical ids. Tests build tiny checkpoints with this; `--size 0.5b` gives a
 Qwen2.5-0.5B-shaped model for benchmarks.
 
@@ -26,6 +27,12 @@ that drops a bias or a norm weight produces different tokens. Measured on the ti
     ours: gemma2 (caps 5 / 30)         1.46     0.20       0.6%
     ours: gemma3 (final cap 30)        1.36     0.18       0.4%
     ours: phi3                         1.47     0.27       0.8%
+    ours: qwen3 (windowed layer 1)     1.48     0.24       0.7%
+    ours: olmo2                        1.62     0.26       0.5%
+    ours: granite                      1.38     0.24       0.4%
+    ours: smollm3 (NoPE, windows)      1.45     0.22       0.3%
+    ours: ministral (windowed, full)   1.63     0.26       0.7%
+    ours: ministral3                   1.70     0.28       0.2%
     (qwen2 0.5b, 64 positions:         1.80)
 
 Logits stay finite (|logit| < 100), changing one early prompt token changes about 40-55% of
@@ -44,6 +51,7 @@ from tools import CORPUS_DIR
 from pdserve.errors import CheckpointError
 
 ARCHS = ("opt", "llama", "qwen2", "mistral", "gemma2", "gemma3", "phi3")
+ARCHS += ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")
 SIZES = ("tiny", "0.5b")
 INIT_GAIN = 2.0  # weight matrices: std = INIT_GAIN / sqrt(fan_in), 0.25 at width 64
 EMBED_GAIN = 8.0  # embeddings and lm_head: std = EMBED_GAIN / sqrt(dim), 1.0 at 64; sets the logit scale
@@ -103,6 +111,9 @@ FAMILIES["phi3"] = dict(
     leading=["<unk>", "<s>", "</s>"], trailing=["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
     bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>", unk="<unk>", add_bos=False, regex=LLAMA3_REGEX, nfc=False,
     template=PHI3_TEMPLATE, extra_eos=["<|end|>"])
+FAMILIES["qwen3"] = FAMILIES["qwen2"]
+for _arch in ("olmo2", "granite", "smollm3", "ministral", "ministral3"):
+    FAMILIES[_arch] = FAMILIES["llama"]
 
 # Model shapes. Tiny: fast CPU tests, grouped-query attention for the llama family.
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, opt_ffn=256, max_pos=1024, vocab=1500)
@@ -210,6 +221,35 @@ def build_config(arch: str, size: str, vocab_size: int, special_ids: dict, overr
         return gemma_config(arch, kw, overrides)
     if arch == "phi3":
         return transformers.Phi3Config(**{**kw, "sliding_window": None, **overrides})
+    # The 2026 families: windows shorter than the test prompts where the family has them, an explicit
+    # head_dim unlike hidden / heads (Qwen3), NoPE layers (SmolLM3), non-trivial multipliers (Granite).
+    # (Tiny here; at 0.5b the same features at Qwen2.5-0.5B's shape.)
+    tiny, head_dim = size == "tiny", s["hidden"] // s["heads"]
+    if arch == "qwen3":   # layer 0 full attention, layer 1 windowed (from max_window_layers)
+        return transformers.Qwen3Config(**{**kw, "head_dim": 2 * head_dim, "tie_word_embeddings": True,
+                                           "use_sliding_window": tiny, "sliding_window": 16, "max_window_layers": 1,
+                                           **overrides})
+    if arch == "olmo2":
+        return transformers.Olmo2Config(**{**kw, **overrides})
+    # Granite 3's are 12, 1/128, 0.22 and 8 (for trained weights); ours keep the greedy margins wide and
+    # attention mattering (with 4, 0.15, 0.5, 2 the embeddings drown the blocks: no token changes)
+    if arch == "granite":
+        return transformers.GraniteConfig(**{**kw, "embedding_multiplier": 1.5, "attention_multiplier": 0.2,
+                                             "residual_multiplier": 0.7, "logits_scaling": 1.25,
+                                             "tie_word_embeddings": True, **overrides})
+    if arch == "smollm3":   # 4 layers: RoPE full, NoPE windowed, RoPE windowed, NoPE full
+        layers = dict(num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=16,
+                      layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+        return transformers.SmolLM3Config(**{**kw, **(layers if tiny else {}), **overrides})
+    if arch == "ministral":   # Ministral 8B's interleaving: windowed, then full
+        types = ["sliding_attention", "full_attention"] * (s["layers"] // 2)
+        return transformers.MinistralConfig(**{**kw, "head_dim": head_dim, "sliding_window": 16 if tiny else 4096,
+                                               "layer_types": types, **overrides})
+    if arch == "ministral3":   # plain RoPE (yarn: rope_parameters), q scaled from position 64 on
+        rope = {"rope_type": "default", "rope_theta": kw["rope_theta"], "llama_4_scaling_beta": 0.1,
+                "original_max_position_embeddings": 64 if tiny else 16384}
+        return transformers.Ministral3Config(**{**kw, "head_dim": head_dim, "rope_parameters": rope,
+                                                "sliding_window": None, **overrides})
     return transformers.Qwen2Config(**{**kw, "use_sliding_window": False, **overrides})
 
 
@@ -243,6 +283,11 @@ def norm_center(gemma: bool, name: str, dim: int) -> float:
     if not gemma:
         return 1.0
     return math.sqrt(dim) - 1.0 if ".post_" in name else 0.0
+
+
+MODEL_CLASSES.update(qwen3="Qwen3ForCausalLM", olmo2="Olmo2ForCausalLM", granite="GraniteForCausalLM",
+                     smollm3="SmolLM3ForCausalLM", ministral="MinistralForCausalLM",
+                     ministral3="Ministral3ForCausalLM")
 
 
 def init_weights(model, seed: int) -> None:

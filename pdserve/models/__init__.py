@@ -2,9 +2,14 @@
 names its input embedding (embed_module); this dict is the whole plugin system: a new Llama-like
 family is one more entry."""
 from pdserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pdserve.models.granite import GraniteForCausalLM
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.ministral import Ministral3ForCausalLM, MinistralForCausalLM
+from pdserve.models.olmo2 import Olmo2ForCausalLM
 from pdserve.models.opt import OPTForCausalLM
 from pdserve.models.phi3 import Phi3ForCausalLM
+from pdserve.models.qwen3 import Qwen3ForCausalLM
+from pdserve.models.smollm3 import SmolLM3ForCausalLM
 
 # HF architecture name -> our model class
 ARCHITECTURES = {
@@ -15,4 +20,10 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "MinistralForCausalLM": MinistralForCausalLM,
+    "Ministral3ForCausalLM": Ministral3ForCausalLM,
 }

@@ -19,6 +19,7 @@ LLAMA3_ROPE_TIED = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low
                         tie_word_embeddings=True)
 VARIANTS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "mistral": ("mistral", {}), "opt": ("opt", {}),
             "opt-350m-style": ("opt", OPT_350M_STYLE), "llama3-rope-tied": ("llama", LLAMA3_ROPE_TIED)}
+VARIANTS.update({arch: (arch, {}) for arch in ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")})
 
 
 def load(path):
@@ -64,6 +65,21 @@ def test_files_and_family_shapes(variant):
     if name == "qwen2":
         assert cfg["tie_word_embeddings"] and "lm_head.weight" not in names
         assert "model.layers.0.self_attn.q_proj.bias" in names
+    if name == "qwen3":   # an explicit head_dim unlike hidden / heads, per-head q/k norms, layer 1 windowed
+        assert cfg["head_dim"] == 32 and cfg["layer_types"] == ["full_attention", "sliding_attention"]
+        assert "model.layers.0.self_attn.q_norm.weight" in names
+    if name == "olmo2":
+        assert {"model.layers.0.post_feedforward_layernorm.weight", "model.layers.0.self_attn.k_norm.weight"} <= names
+        assert not any("input_layernorm" in n for n in names)
+    if name == "granite":
+        assert all(cfg[k] != 1.0 for k in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                                           "logits_scaling"))
+    if name == "smollm3":
+        assert cfg["no_rope_layers"] == [1, 0, 1, 0] and cfg["use_sliding_window"] and cfg["sliding_window"] == 16
+    if name == "ministral":
+        assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 16
+    if name == "ministral3":
+        assert cfg["rope_parameters"]["llama_4_scaling_beta"] == 0.1
     if name == "llama3-rope-tied":
         assert cfg["rope_parameters"]["rope_type"] == "llama3" and cfg["rope_parameters"]["factor"] == 8.0
         assert "lm_head.weight" not in names
