@@ -14,8 +14,13 @@ from fastapi.responses import Response, StreamingResponse
 DONE = "data: [DONE]\n\n"
 
 
+# Characters JSON leaves raw that str.splitlines() breaks lines at: clients that read an event
+# stream with it (httpx's iter_lines, requests' iter_lines) would cut an event in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False).translate(_LINE_BREAKS)}\n\n"
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
