@@ -24,18 +24,14 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
-from pdserve.layers import rotary
 from pdserve.layers.activation import GeluTanhAndMul
 from pdserve.layers.attention import PagedAttention
 from pdserve.layers.layernorm import GemmaRMSNorm
 from pdserve.layers.merged_linear import MergedLinear
-from pdserve.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+from pdserve.layers.rotary import ROPE_TYPES, Rope, RotaryEmbedding, apply_rotary
 from pdserve.models.decoder_spec import DecoderSpec
 from pdserve.models.llama import LlamaForCausalLM, LlamaMLP
 
-# The rope types RotaryEmbedding computes (only llama3 besides plain RoPE before layers/rotary.py
-# lists its ROPE_TYPES). Gemma 3's larger sizes scale their global layers' RoPE linearly.
-ROPE_TYPES = getattr(rotary, "ROPE_TYPES", ("default", "llama3"))
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 

@@ -6,7 +6,6 @@ of our merged linears, so each fills its MergedLinear whole. Every layer has the
 sliding_window if it sets one (transformers' Phi-3 masks all layers by it: Phi-3-mini-4k's 2047).
 RoPE: longrope (Phi-3-*-128k, Phi-3.5, Phi-4-mini) and partial rotary (partial_rotary_factor,
 Phi-4-mini's 0.75) as layers/rotary.py computes them."""
-import inspect
 import os
 
 from pdserve.config import ModelConfig
@@ -15,9 +14,6 @@ from pdserve.layers.attention import PagedAttention
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.llama import LlamaForCausalLM
-
-# RotaryEmbedding rotates part of each head where it takes a rotary_dim (layers/rotary.py)
-PARTIAL_ROTARY = "rotary_dim" in inspect.signature(RotaryEmbedding).parameters
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -40,9 +36,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             raise CheckpointError(f"{file}: rope type 'yarn' means longrope to Phi-3; give it as longrope")
         partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         rotary_dim = int(cfg.head_dim * partial)
-        if rotary_dim != cfg.head_dim and not PARTIAL_ROTARY:
-            raise CheckpointError(f"{file}: partial_rotary_factor {partial} (RoPE on {rotary_dim} of "
-                                  f"{cfg.head_dim} dims per head) is not supported yet")
         super().__init__(cfg)
         window, eps = raw.get("sliding_window"), raw.get("rms_norm_eps", 1e-5)   # Phi3Config's defaults
         for m in self.modules():

@@ -29,17 +29,6 @@ YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_
         "llama_4_scaling_beta": 0.1}
 
 
-def _yarn_refused() -> bool:
-    """config.py refuses yarn RoPE until the rope types land (branch `rope`)."""
-    cfg = ModelConfig("/nowhere", "Ministral3ForCausalLM", 1, 1, 1, 1, 1, 1, 1, 1, False, None,
-                      raw={"rope_parameters": YARN})
-    try:
-        cfg.rope_scaling
-    except CheckpointError:
-        return True
-    return False
-
-
 # make_model's tiny checkpoints of each family (tools/make_model.py): windows of 16 tokens
 VARIANTS = {
     "qwen3": ("qwen3", {}),                 # per-head q/k norms, head_dim 32 (hidden / heads is 16), layer 1 windowed
@@ -50,12 +39,10 @@ VARIANTS = {
     "ministral3": ("ministral3", {"sliding_window": 16}),   # q scaled from position 64 on, every layer windowed
     "ministral3-yarn": ("ministral3", {"rope_parameters": YARN}),
 }
-SKIPS = {"ministral3-yarn": pytest.mark.skipif(_yarn_refused(), reason="config.py refuses yarn RoPE until the "
-                                                                       "rope types land (branch rope)")}
 RUNS = [("torch", None)] + [("kernels", isa) for isa in KERNEL_ISAS]
 
 
-@pytest.fixture(scope="module", params=[pytest.param(n, marks=SKIPS.get(n, ())) for n in VARIANTS])
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def model_path(request, make_tiny):
     arch, overrides = VARIANTS[request.param]
     return make_tiny(arch, **overrides)

@@ -19,8 +19,6 @@ from pdserve import LLM, SamplingParams
 from pdserve.backends.cpu import kernels
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import CheckpointError
-from pdserve.models.gemma import ROPE_TYPES
-from pdserve.models.phi3 import PARTIAL_ROTARY
 from tests.conftest import KERNEL_ISAS
 from tests.helpers import PROMPT_LENS, chunked_logits, corpus_prompts, finish_all, hf_greedy, hf_logits
 
@@ -220,28 +218,15 @@ def exact_on_both_paths(path: str, **engine_args):
             torch.testing.assert_close(ours, hf_logits(path, prompt)[-1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.skipif(PARTIAL_ROTARY, reason="RotaryEmbedding rotates part of a head now")
-def test_phi3_partial_rotary_is_refused_until_rotary_has_it(make_tiny):
-    assert "partial_rotary_factor 0.75" in refusal(make_tiny("phi3", partial_rotary_factor=0.75))
-
-
-@pytest.mark.skipif("longrope" in ROPE_TYPES, reason="RotaryEmbedding computes longrope now")
-def test_phi3_longrope_is_refused_until_rotary_has_it(make_tiny):
-    assert "longrope" in refusal(make_tiny("phi3", **LONGROPE))
-
-
-@pytest.mark.skipif(not PARTIAL_ROTARY, reason="partial rotary comes with the rope work (layers/rotary.py)")
 def test_phi4_mini_partial_rotary_is_exact(make_tiny):
     exact_on_both_paths(make_tiny("phi3", partial_rotary_factor=0.75))
 
 
-@pytest.mark.skipif("longrope" not in ROPE_TYPES, reason="longrope comes with the rope work (layers/rotary.py)")
 def test_phi3_longrope_is_exact_within_the_original_length(make_tiny):
     # served up to original_max_position_embeddings: the short factors, as transformers uses there
     exact_on_both_paths(make_tiny("phi3", **LONGROPE), max_model_len=256)
 
 
-@pytest.mark.skipif("linear" not in ROPE_TYPES, reason="linear rope scaling comes with the rope work")
 def test_gemma3_linear_rope_scaling_of_the_global_layers_is_exact(make_tiny):
     # Gemma 3 4B-27B: factor 8 on the global layers, the local ones unscaled
     exact_on_both_paths(make_tiny("gemma3", rope_scaling={"rope_type": "linear", "factor": 8.0}))

@@ -55,8 +55,10 @@ class CpuBackend(Backend):
         spec = model.decoder_spec() if declares else None
         if not self.attention_kernels:
             self.why_no_stack = f"{self.why_no_kernel_attention}; attention by torch's SDPA"
-        elif spec is None:
+        elif not declares:
             self.why_no_stack = f"{type(model).__name__} declares no decoder_spec, embed and finish"
+        elif spec is None:   # e.g. Ministral 3's query scaled by position
+            self.why_no_stack = f"{type(model).__name__}'s layers have a part its recipe cannot express"
         else:
             try:
                 self.stack = build_stack(model, spec)
