@@ -101,33 +101,44 @@ class ModelConfig:
         return None if params["rope_type"] == "default" else params
 
     # --- Llama-family details -------------------------------------------------------------------
+    # transformers' Qwen2 and Qwen3 slide only with use_sliding_window, and (configs without
+    # layer_types) only from layer max_window_layers on
+    QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
     @property
     def sliding_window(self) -> int | None:
         """The window of the model's sliding-window layers (None: none has one); which layers have
-        it: layer_windows."""
-        if self.architecture == "Qwen2ForCausalLM" and not self.raw.get("use_sliding_window", False):
+        it: layer_types."""
+        if self.architecture in self.QWEN_WINDOWS and not self.raw.get("use_sliding_window", False):
             return None
         return self.raw.get("sliding_window")
 
     @property
-    def layer_windows(self) -> list[int | None]:
-        """Each layer's sliding window (None: full attention), as transformers decides it: the
-        config's layer_types where it has them ("sliding_attention" layers get the window), else
-        Qwen2's rule (layers from max_window_layers on), else every layer (Mistral: transformers'
-        Mistral ignores layer_types)."""
-        w, L = self.sliding_window, self.num_layers
-        if w is None:
-            return [None] * L
+    def layer_types(self) -> list[str]:
+        """Each layer's attention ("sliding_attention" or "full_attention"), as transformers decides
+        it: the config's layer_types where it has them, else Qwen's rule (layers from
+        max_window_layers on slide), else every layer slides (Mistral: transformers' Mistral ignores
+        layer_types). Whether any window applies is sliding_window's."""
+        L = self.num_layers
         types = self.raw.get("layer_types")
         if types and self.architecture != "MistralForCausalLM":
-            if len(types) != L:
-                raise CheckpointError(f"{os.path.join(self.path, 'config.json')}: layer_types has {len(types)} "
-                                      f"entries for {L} layers")
-            return [w if t == "sliding_attention" else None for t in types]
-        if self.architecture == "Qwen2ForCausalLM":
+            return list(types)
+        if self.architecture in self.QWEN_WINDOWS:
             first = self.raw.get("max_window_layers", 28)
-            return [w if i >= first else None for i in range(L)]
-        return [w] * L
+            return ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
+        return ["sliding_attention"] * L
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention): sliding_window on the layer_types
+        that slide."""
+        w, types = self.sliding_window, self.layer_types
+        if w is None:
+            return [None] * self.num_layers
+        if len(types) != self.num_layers:
+            raise CheckpointError(f"{os.path.join(self.path, 'config.json')}: layer_types has {len(types)} "
+                                  f"entries for {self.num_layers} layers")
+        return [w if t == "sliding_attention" else None for t in types]
 
     @property
     def rms_norm_eps(self) -> float:
