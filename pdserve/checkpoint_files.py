@@ -9,6 +9,7 @@ would hand it out. So every file is resolved here and refused if it leaves the d
 The one exception is a Hugging Face cache snapshot (`.../models--org--name/snapshots/<rev>/`),
 whose files are links into the same repository's `blobs/` folder.
 """
+import json
 import os
 
 from pdserve.errors import CheckpointError
@@ -34,3 +35,17 @@ def checkpoint_file(model_dir: str, name: str) -> str:
         raise CheckpointError(f"{path}: links to {real}, outside the checkpoint directory; "
                               "pdserve reads model files only from the directory it was given")
     return path
+
+
+def read_json_object(path: str, error: type[Exception] = CheckpointError) -> dict | None:
+    """The JSON object in the file, None if it does not exist; a one-line `error` if it is broken."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: cannot read JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -9,11 +9,10 @@ and LLM.get_default_sampling_params):
 Its temperature, top_p, top_k, min_p and repetition_penalty become the defaults of those fields,
 and max_new_tokens the max_tokens of a request that gives none; anything the request sets wins.
 As vLLM, do_sample is not read: a file's temperature applies whatever do_sample says."""
-import json
 import os
 from dataclasses import dataclass, field
 
-from pdserve.checkpoint_files import checkpoint_file
+from pdserve.checkpoint_files import checkpoint_file, read_json_object
 from pdserve.errors import ConfigError, RequestError
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -60,13 +59,7 @@ def load_generation_defaults(source: str, model_dir: str) -> GenerationDefaults:
         path = os.path.join(source, FILE)
         if not os.path.isfile(path):
             raise ConfigError(f"--generation-config {source}: no {FILE} in it")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: must be a JSON object")
+    data = read_json_object(path, ConfigError)
     sampling = {k: data[k] for k in SAMPLING_KEYS if data.get(k) is not None}
     max_tokens = data.get("max_new_tokens")
     hint = "; fix the file or start with --generation-config vllm to ignore it"

@@ -17,24 +17,10 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
-from pdserve.checkpoint_files import checkpoint_file
+from pdserve.checkpoint_files import checkpoint_file, read_json_object
 from pdserve.errors import CheckpointError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
-
-
-def _read_json(path: str) -> dict | None:
-    """The parsed file, None if it does not exist; a one-line CheckpointError if it is broken."""
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _token_text(value) -> str | None:
@@ -115,8 +101,8 @@ class Tokenizer:
             backend = _RustTokenizer.from_file(tok_file)
         except Exception as e:
             raise CheckpointError(f"{tok_file}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-        config = _read_json(checkpoint_file(path, "tokenizer_config.json")) or {}
-        gen_config = _read_json(checkpoint_file(path, "generation_config.json")) or {}
+        config = read_json_object(checkpoint_file(path, "tokenizer_config.json")) or {}
+        gen_config = read_json_object(checkpoint_file(path, "generation_config.json")) or {}
         template = _chat_template_from_config(config.get("chat_template"))
         jinja_file = checkpoint_file(path, "chat_template.jinja")
         if os.path.isfile(jinja_file):  # transformers prefers the separate file when both exist
