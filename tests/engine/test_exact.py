@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.helpers import PROMPT_LENS, chunked_logits, corpus_prompts, hf_greedy, hf_logits
+from tests.helpers import (CHUNK_ATOL, assert_decode_equals_recompute, assert_last_position_logits_match,
+                           chunked_logits, corpus_prompts, hf_greedy, hf_logits)
 
 # arch, config overrides: the four families plus OPT-350m style (post-LN, project_in/out), Llama
 # 3.1 style (llama3 RoPE scaling, tied embeddings) and sliding windows shorter than the prompts.
@@ -22,10 +23,6 @@ VARIANTS = {
                                    "tie_word_embeddings": True}),
 }
 NEW_TOKENS = 12
-# Prefill of a whole prompt matches transformers to 1e-4. Smaller chunks (down to one token, i.e.
-# decode) run the same math as matrix-vector instead of matrix-matrix products, whose fp32
-# accumulation order differs: we measured up to 1.3e-4 on logits of magnitude ~8 (2e-5 relative).
-CHUNK_ATOL = 3e-4
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -52,10 +49,7 @@ def test_greedy_batch_equals_transformers(llm, model_path):
 
 
 def test_last_position_logits_match(llm, model_path):
-    for prompt in corpus_prompts(llm.tokenizer, lens=[1, 17, 200]):
-        ours = chunked_logits(llm.engine, prompt, chunk=len(prompt))[-1]
-        ref = hf_logits(model_path, prompt)[-1]
-        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    assert_last_position_logits_match(llm, model_path)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16])
@@ -71,10 +65,4 @@ def test_chunked_prefill_equals_whole_prompt(llm, model_path, chunk):
 
 def test_decode_with_cache_equals_recompute(llm, model_path):
     """Each decode step's logits (one token against the cache) equal a full forward without a cache."""
-    prompt = corpus_prompts(llm.tokenizer, lens=[20])[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0))[0]
-    full = prompt + out.token_ids
-    decoded = chunked_logits(llm.engine, full, chunk=1)
-    torch.testing.assert_close(decoded, hf_logits(model_path, full), atol=CHUNK_ATOL, rtol=0)
-    # and the engine's own greedy tokens are the argmax of those logits
-    assert decoded[len(prompt) - 1:-1].argmax(-1).tolist() == out.token_ids
+    assert_decode_equals_recompute(llm, model_path, prompt_len=20)

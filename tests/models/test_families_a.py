@@ -18,10 +18,10 @@ from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
 from pdserve.models import ARCHITECTURES
 from tests.conftest import KERNEL_ISAS
-from tests.helpers import PROMPT_LENS, chunked_logits, corpus_prompts, hf_greedy, hf_logits
+from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_last_position_logits_match,
+                           chunked_logits, corpus_prompts, hf_greedy, hf_logits)
 
 NEW_TOKENS = 12
-CHUNK_ATOL = 3e-4   # decode (one-token chunks) against a full forward: see tests/engine/test_exact.py
 
 # Ministral 3 as it ships: yarn RoPE (Ministral 3's parameters, at a tiny context)
 YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 64,
@@ -81,20 +81,13 @@ def test_greedy_batch_equals_transformers(llm, model_path):
 
 
 def test_last_position_logits_match(llm, model_path):
-    for prompt in corpus_prompts(llm.tokenizer, lens=[1, 17, 200]):
-        ours = chunked_logits(llm.engine, prompt, chunk=len(prompt))[-1]
-        torch.testing.assert_close(ours, hf_logits(model_path, prompt)[-1], atol=1e-4, rtol=0)
+    assert_last_position_logits_match(llm, model_path)
 
 
 def test_decode_with_cache_equals_recompute(llm, model_path):
     """Each decode step's logits (one token against the cache) equal a full forward without a cache,
     past the windows and Ministral 3's first query-scale period (64)."""
-    prompt = corpus_prompts(llm.tokenizer, lens=[60])[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
-    full = prompt + out.token_ids
-    decoded = chunked_logits(llm.engine, full, chunk=1)
-    torch.testing.assert_close(decoded, hf_logits(model_path, full), atol=CHUNK_ATOL, rtol=0)
-    assert decoded[len(prompt) - 1:-1].argmax(-1).tolist() == out.token_ids
+    assert_decode_equals_recompute(llm, model_path, prompt_len=60)
 
 
 def test_prefix_cache_preemption_and_speculation_keep_outputs(model_path, cpu_kernels):

@@ -20,11 +20,11 @@ from pdserve.backends.cpu import kernels
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import CheckpointError
 from tests.conftest import KERNEL_ISAS
-from tests.helpers import PROMPT_LENS, chunked_logits, corpus_prompts, finish_all, hf_greedy, hf_logits
+from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_last_position_logits_match,
+                           chunked_logits, corpus_prompts, finish_all, hf_greedy, hf_logits)
 
 VARIANTS = {"gemma2": ("gemma2", {}), "gemma3": ("gemma3", {}), "phi3": ("phi3", {"sliding_window": 32})}
 NEW_TOKENS = 12
-CHUNK_ATOL = 3e-4   # as tests/engine/test_exact.py: matrix-vector and matrix-matrix fp32 sums differ a little
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
 
 
@@ -63,20 +63,13 @@ def test_greedy_batch_equals_transformers(llm, model_path):
 
 
 def test_last_position_logits_match(llm, model_path):
-    for prompt in corpus_prompts(llm.tokenizer, lens=[1, 17, 200]):
-        ours = chunked_logits(llm.engine, prompt, chunk=len(prompt))[-1]
-        torch.testing.assert_close(ours, hf_logits(model_path, prompt)[-1], atol=1e-4, rtol=0)
+    assert_last_position_logits_match(llm, model_path)
 
 
 def test_decode_with_cache_equals_recompute(llm, model_path):
     """Each decode step's logits (one token against the cache, past the window) equal a full
     forward's without a cache."""
-    prompt = corpus_prompts(llm.tokenizer, lens=[30])[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
-    full = prompt + out.token_ids
-    decoded = chunked_logits(llm.engine, full, chunk=1)
-    torch.testing.assert_close(decoded, hf_logits(model_path, full), atol=CHUNK_ATOL, rtol=0)
-    assert decoded[len(prompt) - 1:-1].argmax(-1).tolist() == out.token_ids
+    assert_decode_equals_recompute(llm, model_path, prompt_len=30)
 
 
 def test_a_shared_prefix_gives_the_tokens_of_the_prompt_alone(llm, model_path):
