@@ -34,8 +34,6 @@ class CpuBackend(Backend):
         self.model_config = model_config
         self.weight_format = config.quantization or ("bf16" if dtype == torch.bfloat16 else "fp32")
         self.attention_kernels = model_config.head_dim in ATTENTION_HEAD_DIMS
-        self.why_no_kernel_attention = (f"head size {model_config.head_dim}: the attention kernels take "
-                                        f"{', '.join(map(str, ATTENTION_HEAD_DIMS))}")
         self.stack, self.rotaries, self.why_no_stack = None, [], None
 
     def prepare_model(self, model: nn.Module) -> None:
@@ -54,7 +52,8 @@ class CpuBackend(Backend):
         declares = all(hasattr(model, a) for a in ("decoder_spec", "embed", "finish"))
         spec = model.decoder_spec() if declares else None
         if not self.attention_kernels:
-            self.why_no_stack = f"{self.why_no_kernel_attention}; attention by torch's SDPA"
+            self.why_no_stack = (f"head size {self.model_config.head_dim}: the attention kernels take "
+                                 f"{', '.join(map(str, ATTENTION_HEAD_DIMS))}; attention by torch's SDPA")
         elif not declares:
             self.why_no_stack = f"{type(model).__name__} declares no decoder_spec, embed and finish"
         elif spec is None:   # e.g. Ministral 3's query scaled by position
