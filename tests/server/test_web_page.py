@@ -87,6 +87,8 @@ def set_params(page, max_tokens: int, ignore_eos: bool) -> None:
 def test_playground_streams_the_live_view_draws_and_stop_ends_the_request(page, page_server, tmp_path):
     page.goto(page_server.url + "/")
     page.wait_for_selector("body[data-stream=live]")
+    # the name comes from its own /v1/models fetch, which may land after the stream opens (seen on a busy core)
+    page.wait_for_function("document.querySelector('#model-name').textContent.length > 0")
     assert page.text_content("#model-name") == "default-model"
 
     # completion mode: the prompt, then its continuation, with the answer's figures
