@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -11,10 +12,12 @@ from pdserve.checkpoint_files import checkpoint_file
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
 from pdserve.layers.merged_linear import MergedLinear
+from pdserve.layers.quantized import GroupQuantized, attach_shard, finish_quantized
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models import ARCHITECTURES
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+Tensorish = torch.Tensor | GroupQuantized
 
 
 def show_progress() -> bool:
@@ -44,7 +47,11 @@ def weight_files(path: str) -> list[str]:
                           "pytorch_model.bin is not loaded, it can run code)")
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Module:
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str,
+               tensors: Iterable[tuple[str, str, Tensorish]] | None = None) -> torch.nn.Module:
+    """The model with every parameter filled from `tensors` ((file, HF name, tensor) triples; by
+    default the checkpoint's safetensors files). A GroupQuantized value fills its linear's weight
+    with the dequantized values and is kept on the linear as `quant` (layers/quantized.py)."""
     # Build on the meta device (no random init of weights we overwrite), then materialise.
     with torch.device("meta"):
         model = ARCHITECTURES[cfg.architecture](cfg)
@@ -55,6 +62,22 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Mo
     tied = cfg.tie_word_embeddings
     if tied:  # to_empty gives each module its own tensor: tie again
         model.lm_head.weight = model.get_submodule(embed_module_name(cfg)).weight
+    fill(model, cfg, safetensors_tensors(cfg.path) if tensors is None else tensors)
+    return model.eval()
+
+
+def safetensors_tensors(path: str) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, name, tensor) for every tensor of the checkpoint's safetensors files."""
+    for file in weight_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            for name in tqdm(names, desc=f"loading {os.path.basename(file)}", unit="tensor", leave=False,
+                             disable=len(names) < 50 or not show_progress()):
+                yield file, name, f.get_tensor(name)
+
+
+def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, str, Tensorish]]) -> None:
+    tied = cfg.tie_word_embeddings
     params = dict(model.named_parameters(remove_duplicate=False))
     # what must be filled, (parameter, shard) -> the name to report if it is missing: each shard of
     # a merged linear by its checkpoint name (shard None: a whole parameter)
@@ -67,35 +90,39 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Mo
                 del needed[(f"{name}.{p}", None)]
                 needed.update({(f"{name}.{p}", i): f"{path}.{source}.{p}"
                                for source, (m, i) in stacked.items() if m == merged})
-    loaded = set()
-    files = weight_files(cfg.path)
+    loaded, first_file = set(), None
     with torch.no_grad():
-        for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                names = list(f.keys())
-                for name in tqdm(names, desc=f"loading {os.path.basename(file)}", unit="tensor", leave=False,
-                                 disable=len(names) < 50 or not show_progress()):
-                    if name.endswith(IGNORED_SUFFIXES):
-                        continue
-                    target, shard = stacked_target(model, name)
-                    if target not in params:
-                        target = "model." + target   # e.g. OPT's "decoder.*" keys
-                    if target not in params:
-                        raise CheckpointError(f"{file}: unexpected tensor {name!r} for {cfg.architecture}")
-                    dest = params[target]
-                    if shard is not None:   # its rows of the merged linear
-                        dest = dest.narrow(0, *model.get_submodule(target.rpartition(".")[0]).shard_rows(shard))
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(dest.shape):
-                        raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
-                                              f"implies {tuple(dest.shape)}")
-                    dest.copy_(tensor)
-                    loaded.add((target, shard))
+        for file, name, tensor in tensors:
+            first_file = first_file or file
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            target, shard = stacked_target(model, name)
+            if target not in params:
+                target = "model." + target   # e.g. OPT's "decoder.*" keys
+            if target not in params:
+                raise CheckpointError(f"{file}: unexpected tensor {name!r} for {cfg.architecture}")
+            dest = params[target]
+            module = model.get_submodule(target.rpartition(".")[0])
+            if shard is not None:   # its rows of the merged linear
+                dest = dest.narrow(0, *module.shard_rows(shard))
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
+                                      f"implies {tuple(dest.shape)}")
+            if isinstance(tensor, GroupQuantized):
+                if not (isinstance(module, torch.nn.Linear) and target.endswith(".weight")):
+                    raise CheckpointError(f"{file}: tensor {name!r} is quantized but is not a linear's weight")
+                attach_shard(module, shard, tensor)
+                tensor = tensor.dequantize()
+            dest.copy_(tensor)
+            loaded.add((target, shard))
+    source = first_file or cfg.path
     missing = [shown for key, shown in needed.items() if key not in loaded]
     if missing:
-        raise CheckpointError(f"{files[0]}: missing tensor {missing[0]!r}"
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    return model.eval()
+    partial = finish_quantized(model)
+    if partial:
+        raise CheckpointError(f"{source}: {partial[0]} mixes quantized and full-precision shards")
 
 
 def stacked_target(model: torch.nn.Module, name: str) -> tuple[str, int | None]:
