@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 
 from pdserve.bench.bench_metrics import RequestResult, cache_stats
-from pdserve.bench.serve_bench import StreamRecorder, arrival_offsets, stream_post
+from pdserve.bench.client import StreamRecorder, arrival_offsets, stream_post
 
 
 class ChatRecorder(StreamRecorder):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.bench.datasets import make_requests
-from pdserve.bench.serve_bench import arrival_offsets
+from pdserve.bench.client import arrival_offsets
 
 
 @dataclass

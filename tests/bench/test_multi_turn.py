@@ -6,7 +6,7 @@ import pytest
 from pdserve.bench.bench_metrics import RequestResult, compute_metrics
 from pdserve.bench.datasets import multi_turn_conversations
 from pdserve.bench.multi_turn import ChatRecorder, turn_summary
-from pdserve.bench.serve_bench import StreamRecorder
+from pdserve.bench.client import StreamRecorder
 
 
 def test_conversations_are_corpus_questions_fixed_by_the_seed():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pdserve.bench import report, serve_bench
-from pdserve.bench.serve_bench import StreamRecorder, arrival_offsets
+from pdserve.bench.client import StreamRecorder, arrival_offsets
 from pdserve.cli import main
 
 

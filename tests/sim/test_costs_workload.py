@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pdserve.bench.datasets import add_dataset_arguments, make_requests
-from pdserve.bench.serve_bench import arrival_offsets
+from pdserve.bench.client import arrival_offsets
 from pdserve.bench.step_cost import ModelCost, step_cost
 from pdserve.engine.cost_model import StepCostModel
 from pdserve.engine.scheduler import SchedulerOutput
