@@ -11,7 +11,7 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.cost_model import StepCostModel, calibrate, calibration_shapes, step_features
+from pdserve.engine.cost_model import StepCostModel, calibrate, calibration_shapes
 from pdserve.engine.grammar import GrammarFailed
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
@@ -20,6 +20,7 @@ from pdserve.engine.policy import make_policy
 from pdserve.engine.profiler import StepProfiler
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_hooks import CostModelHook, ProfilerHook, ThreadHook
 from pdserve.engine.threads import ThreadTuner
 from pdserve.errors import RequestError, SLOUnattainable
 from pdserve.kv_transfer import make_connector
@@ -83,6 +84,10 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.last_schedule: SchedulerOutput | None = None   # the step's per-request tokens, for the live view
         self.profiler = StepProfiler(self.config.profile_steps) if self.config.profile_steps is not None else None
+        # what watches the steps (step_hooks.py): the step-time model refit, the thread count, the profile
+        self.hooks = ([CostModelHook(self.cost_model)] if self.cost_model is not None else []) + \
+                     ([ThreadHook(self.threads)] if self.threads is not None else []) + \
+                     ([ProfilerHook(self.profiler)] if self.profiler is not None else [])
         # Fault injection, for tests only: called with each step's SchedulerOutput before the
         # forward. An Exception it raises fails that step's requests like a real failure; a
         # BaseException escapes step(), as a fatal error would (the server's loop dies).
@@ -200,6 +205,8 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> process: one forward over the scheduled tokens, each request's
+        new tokens turned into its output. Aborts and finished KV pulls are taken first."""
         outputs = [self._finish(seq, None) for seq in self._aborted]
         self._aborted = []
         if self.connector is not None:
@@ -207,68 +214,14 @@ class LLMEngine:
         start = time.perf_counter()
         sched = None
         try:
-            if self.speculator is not None:
-                self.speculator.propose(self.scheduler.running)
-            sched = self.scheduler.schedule(start)
-            if self.connector is not None:
-                self.connector.start_load_kv()
+            sched = self._schedule(start)
             scheduled = time.perf_counter()
             if not sched.seqs:
                 if not outputs and self.connector is not None and self.connector.has_pending():
                     self.connector.wait_for_load(IDLE_WAIT_S)   # nothing to run until a pull ends
                 return outputs
-            if self.fault_hook is not None:
-                self.fault_hook(sched)
-            if self.cost_model is not None:   # before the step advances num_computed_tokens
-                features = step_features(sched.num_tokens, [seq.num_computed_tokens for seq in sched.seqs])
-            if self.threads is not None:
-                shape = (sched.num_prefill_tokens + sched.num_decode_tokens, len(sched.seqs))
-                self.threads.before_step(shape)
-                forward_start = time.perf_counter()
-            try:
-                sampled = self.runner.execute(sched)
-            finally:
-                if self.threads is not None:
-                    self.threads.after_step(shape, time.perf_counter() - forward_start)
-            if self.speculator is not None:   # before mark_computed: rejected drafts are not computed
-                self.speculator.verified(sched, sampled)
-            self.scheduler.mark_computed(sched)
-            now = time.perf_counter()
-            failed, errors = [], {}
-            for seq, token, logprobs in sampled:
-                # One request's failure here (its sampling: token None; detokenizing, stop checks)
-                # fails it alone; the others of the step go on. A verified speculation brings a
-                # list of tokens (and of logprobs).
-                try:
-                    if token is None:
-                        why = self.processor.grammars.failure(seq.matcher, seq.params.grammar)
-                        raise why or RuntimeError("its sampling failed")
-                    if type(token) is list:
-                        token = self._append_tokens(seq, token, logprobs, now)
-                    else:
-                        self.processor.append_token(seq, token, logprobs, now)
-                        token = [token]
-                    if seq.finish_reason is None:
-                        if not seq.final_only:
-                            outputs.append(self.processor.make_output(seq, token))
-                        continue
-                except GrammarFailed as e:   # its client hears why; the sampler logged it, in one line
-                    errors[seq.request_id] = e
-                    failed.append(seq)
-                    continue
-                except Exception:
-                    logger.exception("request %s failed in this step; only it fails", seq.request_id)
-                    failed.append(seq)
-                    continue
-                kept = self.connector.request_finished(seq) if self.connector is not None else None
-                self.scheduler.finish(seq, seq.finish_reason, free_blocks=kept is None)   # in this step
-                if kept is not None:   # a prefill worker's: leased to a decode worker
-                    self.connector.save_kv(seq, kept)
-                out = self._finish(seq, token)
-                out.kv_transfer_params = kept
-                outputs.append(out)
-            if failed:
-                self._fail(failed, outputs, errors)
+            sampled = self._execute(sched)
+            self._process(sched, sampled, outputs)
         except Exception:
             # Whatever failed (scheduling, forward, sampling, detokenizing, stop checks), only the
             # requests in this step fail; the engine keeps serving. If scheduling itself failed,
@@ -277,17 +230,81 @@ class LLMEngine:
             logger.exception("engine step failed; failing its %d requests", len(failed))
             self._fail(failed, outputs)
             return outputs
-        if self.cost_model is not None:   # inside the step's time: its cost shows as "output"
-            self.cost_model.observe(features, time.perf_counter() - start)
         end = time.perf_counter()
         phases = {"schedule": scheduled - start, **self.runner.last_times}
         phases["output"] = end - start - sum(phases.values())
         self.last_step = StepStats(start, end - start, len(sched.seqs), sched.num_prefill_tokens,
                                    sched.num_decode_tokens, len(sched.preempted), self.runner.last_forward_time, phases)
         self.last_schedule = sched
-        if self.profiler is not None:
-            self.profiler.add(self.last_step)
+        for hook in self.hooks:
+            hook.after_step(sched, self.last_step)
         return outputs
+
+    def _schedule(self, now: float) -> SchedulerOutput:
+        if self.speculator is not None:   # drafts first: the scheduler budgets their tokens
+            self.speculator.propose(self.scheduler.running)
+        sched = self.scheduler.schedule(now)
+        if self.connector is not None:
+            self.connector.start_load_kv()
+        return sched
+
+    def _execute(self, sched: SchedulerOutput) -> list:
+        """The forward and sampling: (sequence, token or tokens or None, logprobs) per sampled row;
+        the scheduled tokens marked computed."""
+        if self.fault_hook is not None:
+            self.fault_hook(sched)
+        for hook in self.hooks:
+            hook.before_forward(sched)
+        forward_start = time.perf_counter()
+        try:
+            sampled = self.runner.execute(sched)
+        finally:
+            for hook in self.hooks:
+                hook.after_forward(sched, time.perf_counter() - forward_start)
+        if self.speculator is not None:   # before mark_computed: rejected drafts are not computed
+            self.speculator.verified(sched, sampled)
+        self.scheduler.mark_computed(sched)
+        return sampled
+
+    def _process(self, sched: SchedulerOutput, sampled: list, outputs: list[RequestOutput]) -> None:
+        """Each sampled token appended, detokenized and stop-checked into `outputs`; finished
+        sequences freed (or, on a prefill worker, their KV leased)."""
+        now = time.perf_counter()
+        failed, errors = [], {}
+        for seq, token, logprobs in sampled:
+            # One request's failure here (its sampling: token None; detokenizing, stop checks)
+            # fails it alone; the others of the step go on. A verified speculation brings a
+            # list of tokens (and of logprobs).
+            try:
+                if token is None:
+                    why = self.processor.grammars.failure(seq.matcher, seq.params.grammar)
+                    raise why or RuntimeError("its sampling failed")
+                if type(token) is list:
+                    token = self._append_tokens(seq, token, logprobs, now)
+                else:
+                    self.processor.append_token(seq, token, logprobs, now)
+                    token = [token]
+                if seq.finish_reason is None:
+                    if not seq.final_only:
+                        outputs.append(self.processor.make_output(seq, token))
+                    continue
+            except GrammarFailed as e:   # its client hears why; the sampler logged it, in one line
+                errors[seq.request_id] = e
+                failed.append(seq)
+                continue
+            except Exception:
+                logger.exception("request %s failed in this step; only it fails", seq.request_id)
+                failed.append(seq)
+                continue
+            kept = self.connector.request_finished(seq) if self.connector is not None else None
+            self.scheduler.finish(seq, seq.finish_reason, free_blocks=kept is None)   # in this step
+            if kept is not None:   # a prefill worker's: leased to a decode worker
+                self.connector.save_kv(seq, kept)
+            out = self._finish(seq, token)
+            out.kv_transfer_params = kept
+            outputs.append(out)
+        if failed:
+            self._fail(failed, outputs, errors)
 
     def _poll_connector(self, outputs: list[RequestOutput]) -> None:
         """Free the blocks of leases that ended; resume (or fail) the sequences whose pull ended."""
