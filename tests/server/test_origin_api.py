@@ -56,10 +56,17 @@ def test_origin_and_openai_requests_share_steps(server):
     assert big_steps(server.metrics()) > big_steps(before)
 
 
-def test_origin_generation_stops_at_the_context_instead_of_refusing(server):
+def test_origin_default_stops_at_the_context_and_a_given_max_tokens_past_it_is_refused(server):
     prompt = "word " * 490
     n = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["count"]
     assert 1024 - 64 < n < 1024   # less room than the default 64 tokens
     r = post(server, "/basic_generate", {"prompt": prompt})
     ref = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1024 - n, "temperature": 0})
     assert r["generated_text"] == ref["choices"][0]["text"]
+    # asked for: refused as the OpenAI endpoints refuse it, in their error format
+    for path in ("/basic_generate", "/generate_stream"):
+        refused = httpx.post(server.url + path, json={"prompt": prompt, "max_tokens": 64}, timeout=60)
+        assert refused.status_code == 400, refused.text
+        openai = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 64}, timeout=60)
+        assert openai.status_code == 400
+        assert refused.json()["error"]["param"] == openai.json()["error"]["param"]
