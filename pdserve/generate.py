@@ -3,7 +3,8 @@ import argparse
 import json
 import sys
 
-from pdserve.engine.args import add_engine_args, check_engine_args, engine_kwargs, int_at_least
+from pdserve.arg_types import int_at_least
+from pdserve.engine.args import add_engine_args, check_engine_args, engine_kwargs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

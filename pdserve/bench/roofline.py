@@ -21,7 +21,8 @@ import torch
 from pdserve.bench.roofline_report import findings, plot, print_table, record
 from pdserve.bench.step_cost import ModelCost, StepCost, phase_steps, step_cost
 from pdserve.config import ModelConfig
-from pdserve.engine.args import add_engine_args, engine_kwargs, int_at_least
+from pdserve.arg_types import int_at_least
+from pdserve.engine.args import add_engine_args, engine_kwargs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling_params import SamplingParams

@@ -5,23 +5,10 @@ import argparse
 import dataclasses
 import os
 
+from pdserve.arg_types import int_at_least
 from pdserve.config import EngineConfig
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "default-model")
-
-
-def int_at_least(low: int, note: str = ""):
-    """An argparse type: an integer >= low, else the usual one-line `argument --flag: ...` error."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}{note}, got {value}")
-        return value
-    parse.__name__ = "int"
-    return parse
 
 
 def add_config_args(group, config_cls) -> list[str]:
@@ -37,7 +24,7 @@ def add_config_args(group, config_cls) -> list[str]:
         if kind.startswith("bool"):
             kw["action"] = argparse.BooleanOptionalAction
         elif kind.startswith("int"):
-            kw["type"] = int if low is None else int_at_least(low, note)
+            kw["type"] = int if low is None else int_at_least(low, note=note)
         elif kind.startswith("float"):
             kw["type"] = float
         shown = "off" if f.default is None and kind.startswith(("int", "str", "bool")) else "%(default)s"

@@ -16,7 +16,8 @@ from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.pairing import check_pairing
 from pdserve.proxy.relay import Proxy
 from pdserve.proxy.routing import ROUTINGS, Router, Worker, worker_url
-from pdserve.server.launch import _at_least, _number_at_least, _seconds, allowed_hosts, bind
+from pdserve.arg_types import int_at_least, number_at_least, seconds
+from pdserve.server.launch import allowed_hosts, bind
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--routing", choices=ROUTINGS, default="round-robin",
                    help="which worker of a role gets a request: in turn, or the one with the fewest requests "
                         "in flight at this proxy (default: %(default)s)")
-    w.add_argument("--connect-timeout", type=_seconds, default=5.0, metavar="SECONDS",
+    w.add_argument("--connect-timeout", type=seconds, default=5.0, metavar="SECONDS",
                    help="a worker that does not accept a connection within this is unavailable: 503 "
                         "(default: %(default)s)")
-    w.add_argument("--read-timeout", type=_seconds, default=300.0, metavar="SECONDS",
+    w.add_argument("--read-timeout", type=seconds, default=300.0, metavar="SECONDS",
                    help="a worker that sends nothing for this long has failed the request: 504, or an error "
                         "event in a stream (default: %(default)s)")
     w.add_argument("--kv-transfer-secret", default=None, metavar="SECRET",
@@ -44,18 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_listen_arguments(g) -> None:
     """The proxy's own server flags (also taken by `pdserve serve --disaggregate`'s proxy)."""
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    g.add_argument("--port", type=_at_least(0, 65535), default=8000, help="TCP port (default: %(default)s)")
+    g.add_argument("--port", type=int_at_least(0, 65535), default=8000, help="TCP port (default: %(default)s)")
     g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                    help="Host header names accepted (default: the --host address and localhost names; '*' = any)")
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` of clients (not on /health, /metrics, /version) and "
                         "send it to the workers (default: $PDSERVE_API_KEY; unset: the client's header is "
                         "passed on)")
-    g.add_argument("--max-body-bytes", type=_at_least(1), default=1 << 20,
+    g.add_argument("--max-body-bytes", type=int_at_least(1), default=1 << 20,
                    help="largest request body; larger ones get 413 (default: %(default)s)")
-    g.add_argument("--max-connections", type=_at_least(1), default=1000,
+    g.add_argument("--max-connections", type=int_at_least(1), default=1000,
                    help="most open client connections, and most connections to the workers (default: %(default)s)")
-    g.add_argument("--shutdown-timeout", type=_number_at_least(0), default=30.0,
+    g.add_argument("--shutdown-timeout", type=number_at_least(0), default=30.0,
                    help="seconds requests in flight get to finish after SIGTERM; then a model list or "
                         "tokenizer call still waiting on its worker gets 503 shutdown_timeout "
                         "(default: %(default)s)")

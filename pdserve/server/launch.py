@@ -7,13 +7,13 @@ says so, the listening socket closes), lets running requests finish for up to
 import argparse
 import asyncio
 import logging
-import math
 import os
 import signal
 import socket
 
 import uvicorn
 
+from pdserve.arg_types import int_at_least, number_at_least, seconds
 from pdserve.engine.args import DEFAULT_MODEL, add_engine_args, check_engine_args, engine_kwargs
 from pdserve.errors import ConfigError
 from pdserve.proxy import disaggregate
@@ -29,13 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="engine: continuous batching over the paged KV cache (default); the origin's paths as "
                         "baselines: hf = one transformers generate() per request, static = static batches "
                         "of --batch-size, nocache = a token loop re-running the whole sequence without a KV cache")
-    b.add_argument("--batch-size", type=_at_least(1), default=4, help="static backend: requests per batch (default: 4)")
-    b.add_argument("--batch-wait-ms", type=_number_at_least(0), default=0.0,
+    b.add_argument("--batch-size", type=int_at_least(1), default=4, help="static backend: requests per batch (default: 4)")
+    b.add_argument("--batch-wait-ms", type=number_at_least(0), default=0.0,
                    help="static backend: longest wait for a batch to fill (default: 0)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default: %(default)s, loopback only; 0.0.0.0 for every interface)")
-    g.add_argument("--port", type=_at_least(0, 65535), default=8000,
+    g.add_argument("--port", type=int_at_least(0, 65535), default=8000,
                    help="TCP port, bound before the model loads (default: %(default)s)")
     g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                    help="Host header names accepted; others get 400, so a web page that points its own DNS "
@@ -57,34 +57,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` on every endpoint except /health, /metrics, "
                         "/version, the web page / and the API docs (default: the PDSERVE_API_KEY environment "
                         "variable; unset = no key)")
-    g.add_argument("--max-waiting", type=_at_least(0), default=256,
+    g.add_argument("--max-waiting", type=int_at_least(0), default=256,
                    help="most requests admitted beyond the free seats (--max-num-seqs); beyond it requests get "
                         "503 with Retry-After (default: %(default)s)")
-    g.add_argument("--max-connections", type=_at_least(1), default=1000,
+    g.add_argument("--max-connections", type=int_at_least(1), default=1000,
                    help="most open connections; a new one beyond gets 503 and is closed (default: %(default)s)")
-    g.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="SECONDS",
+    g.add_argument("--header-timeout", type=seconds, default=10.0, metavar="SECONDS",
                    help="a request's headers must arrive within this, or the connection is closed "
                         "(slow clients; default: %(default)s)")
-    g.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+    g.add_argument("--body-timeout", type=seconds, default=30.0, metavar="SECONDS",
                    help="a request's body must arrive within this after its headers, or the connection is "
                         "closed (default: %(default)s)")
-    g.add_argument("--max-body-bytes", type=_at_least(1), default=1 << 20,
+    g.add_argument("--max-body-bytes", type=int_at_least(1), default=1 << 20,
                    help="largest request body; larger ones get 413 (default: %(default)s = 1 MiB)")
-    g.add_argument("--max-stop-strings", type=_at_least(0), default=16,
+    g.add_argument("--max-stop-strings", type=int_at_least(0), default=16,
                    help="most stop strings one request may give (default: %(default)s)")
-    g.add_argument("--max-stop-length", type=_at_least(1), default=256,
+    g.add_argument("--max-stop-length", type=int_at_least(1), default=256,
                    help="longest stop string, in characters (default: %(default)s)")
-    g.add_argument("--max-stop-token-ids", type=_at_least(0), default=256,
+    g.add_argument("--max-stop-token-ids", type=int_at_least(0), default=256,
                    help="most stop_token_ids one request may give (default: %(default)s)")
-    g.add_argument("--max-prompt-tokens", type=_at_least(1), default=None,
+    g.add_argument("--max-prompt-tokens", type=int_at_least(1), default=None,
                    help="longest prompt, in tokens; longer ones get 400 (default: the model's context length)")
-    g.add_argument("--max-tokens-cap", type=_at_least(1), default=None,
+    g.add_argument("--max-tokens-cap", type=int_at_least(1), default=None,
                    help="largest max_tokens a request may ask for; larger ones get 400, and defaults (chat: "
                         "the rest of the context) are lowered to it (default: no cap beyond the context)")
-    g.add_argument("--max-n", type=_at_least(1), default=64, help="most choices (n) per request (default: %(default)s)")
-    g.add_argument("--max-logprobs", type=_at_least(0, 20), default=20,
+    g.add_argument("--max-n", type=int_at_least(1), default=64, help="most choices (n) per request (default: %(default)s)")
+    g.add_argument("--max-logprobs", type=int_at_least(0, 20), default=20,
                    help="most logprobs / top_logprobs per token, at most 20 (default: %(default)s)")
-    g.add_argument("--max-request-cost", type=_at_least(1), default=1 << 17,
+    g.add_argument("--max-request-cost", type=int_at_least(1), default=1 << 17,
                    help="most token entries one request may make the server generate and send: prompts x n x "
                         "max_tokens x (1 + logprobs); over it a request gets 400, and defaults are lowered to "
                         "fit (default: %(default)s)")
@@ -92,10 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how answers become tool_calls with tool_choice \"auto\": hermes (= qwen2.5: "
                         "<tool_call> blocks) or llama3_json (default: none; \"auto\" is then refused, "
                         "\"required\" and named functions work without one)")
-    g.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
+    g.add_argument("--request-timeout", type=seconds, default=None, metavar="SECONDS",
                    help="abort a request still unfinished this long after it arrived and free its KV blocks; "
                         "the client gets 504 request_timeout, or an error event in a stream (default: none)")
-    g.add_argument("--shutdown-timeout", type=_number_at_least(0), default=30.0,
+    g.add_argument("--shutdown-timeout", type=number_at_least(0), default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted "
                         "(default: %(default)s)")
     g.add_argument("--step-log", default=None, metavar="FILE",
@@ -104,24 +104,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("Ray Serve (docs/RAY.md; needs the ray extra)")
     r.add_argument("--ray", action="store_true",
                    help="serve as a Ray Serve application: --num-replicas engines behind one endpoint")
-    r.add_argument("--num-replicas", type=_at_least(1), default=None, help="engine replicas (default: 1)")
-    r.add_argument("--prefill-replicas", type=_at_least(1), default=None, metavar="X",
+    r.add_argument("--num-replicas", type=int_at_least(1), default=None, help="engine replicas (default: 1)")
+    r.add_argument("--prefill-replicas", type=int_at_least(1), default=None, metavar="X",
                    help="instead of --num-replicas: X prefill-role engines and --decode-replicas decode-role "
                         "engines, the KV pulled between them over TCP (docs/RAY.md, P/D pools)")
-    r.add_argument("--decode-replicas", type=_at_least(1), default=None, metavar="Y",
+    r.add_argument("--decode-replicas", type=int_at_least(1), default=None, metavar="Y",
                    help="decode-role engines of the P/D pools (with --prefill-replicas)")
-    r.add_argument("--ray-cpus-per-replica", type=_number_at_least(0.01), default=1.0, metavar="CPUS",
+    r.add_argument("--ray-cpus-per-replica", type=number_at_least(0.01), default=1.0, metavar="CPUS",
                    help="CPUs Ray reserves for each replica; --threads defaults to it (default: %(default)s)")
-    r.add_argument("--ray-replicas-per-node", type=_at_least(1), default=None, metavar="N",
+    r.add_argument("--ray-replicas-per-node", type=int_at_least(1), default=None, metavar="N",
                    help="most replicas Ray places on one node (default: as many as its CPUs hold)")
     r.add_argument("--routing", choices=["prefix-aware", "round-robin", "least-loaded"], default="prefix-aware",
                    help="which replica gets a request: the one holding the longest cached prefix of its prompt "
                         "(else the least-loaded), in turn, or the one with fewest requests in flight "
                         "(default: %(default)s)")
-    r.add_argument("--routing-min-match-blocks", type=_at_least(1), default=1, metavar="N",
+    r.add_argument("--routing-min-match-blocks", type=int_at_least(1), default=1, metavar="N",
                    help="prefix-aware: fewer cached blocks than this on every replica means least-loaded "
                         "(default: %(default)s)")
-    r.add_argument("--routing-max-imbalance", type=_at_least(0), default=8, metavar="N",
+    r.add_argument("--routing-max-imbalance", type=int_at_least(0), default=8, metavar="N",
                    help="prefix-aware: go to the least-loaded replica instead when the best match has more than "
                         "N requests in flight beyond it (default: %(default)s)")
     r.add_argument("--ray-retry-failed", action="store_true",
@@ -130,49 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="the Ray cluster to join, as `ray start --head` printed it, or auto (default: "
                         "RAY_ADDRESS, else a new local one)")
-    r.add_argument("--ray-scale", type=_at_least(1), default=None, metavar="N",
+    r.add_argument("--ray-scale", type=int_at_least(1), default=None, metavar="N",
                    help="change the running app's replica count to N, in place, and return")
     r.add_argument("--ray-detach", action="store_true",
                    help="deploy and return; the app runs on until `serve shutdown` (default: serve until Ctrl-C)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and its access log (default: %(default)s)")
     disaggregate.add_arguments(parser)
-
-
-def _at_least(low: int, high: int | None = None):
-    """An argparse type: an integer >= low (and <= high)."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if v < low or (high is not None and v > high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {v}")
-        return v
-    return parse
-
-
-def _number_at_least(low: float):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            v = math.nan
-        if not v >= low or math.isinf(v):
-            raise argparse.ArgumentTypeError(f"must be a number >= {low:g}, got {text!r}")
-        return v
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not 0 < v < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return v
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")

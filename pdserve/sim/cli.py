@@ -9,7 +9,8 @@ import sys
 
 from pdserve.bench import bench_metrics
 from pdserve.bench.datasets import add_dataset_arguments
-from pdserve.engine.args import add_engine_args, engine_kwargs, int_at_least
+from pdserve.arg_types import int_at_least
+from pdserve.engine.args import add_engine_args, engine_kwargs
 
 GB = 1e9
 
