@@ -165,6 +165,9 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     continue_final_message: Any = None   # not supported: refused when given, not ignored
+    # variables for the chat template, as vLLM takes them (e.g. {"enable_thinking": false} for Qwen3);
+    # the ones the server sets are refused (server/reasoning.py)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- the origin server's endpoints (field names are theirs)
