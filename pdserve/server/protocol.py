@@ -146,6 +146,10 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None   # an assistant's earlier calls
     tool_call_id: str | None = None                   # a tool result's call
+    # an assistant's earlier thinking, as a response gave it (vLLM takes both names): templates
+    # such as Qwen3's read message.reasoning_content
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def as_template_dict(self) -> dict:
         # Templates expect content as one string; text parts are joined as OpenAI does.
@@ -155,6 +159,9 @@ class ChatMessage(_Strict):
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:
+            d["reasoning_content"] = d["reasoning"] = thought
         return d
 
 

@@ -103,6 +103,19 @@ def test_enable_thinking_false_reaches_the_template_and_there_is_no_thinking(cli
     assert (reasoning, content) == (None, CONTENT) and set(kinds) == {"content"}
 
 
+def test_an_earlier_turns_thinking_goes_back_to_the_template_and_does_not_end_this_one(client, thinking_model):
+    first = ask(client).choices[0].message
+    history = MESSAGES + [{"role": "assistant", "content": first.content,
+                           "reasoning_content": first.model_extra["reasoning_content"]},
+                          {"role": "user", "content": "And tomorrow?"}]
+    r = client.chat.completions.create(model="thinking", messages=history, max_completion_tokens=32, temperature=0,
+                                       extra_body={"prompt_logprobs": 0})
+    tok = Tokenizer.from_dir(thinking_model)
+    prompt = tok.decode(prompt_ids(r)[1:], skip_special_tokens=False)
+    assert f"<think>\n{REASONING}\n</think>\n\n{CONTENT}<|im_end|>" in prompt   # the template got it
+    assert fields(r.choices[0].message) == (REASONING, CONTENT)   # that </think> was an earlier turn's
+
+
 def test_json_schema_constrains_the_answer_not_the_thinking(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "digit", "schema": DIGIT}}
     r = ask(client, response_format=fmt)

@@ -36,7 +36,11 @@ Call a function as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_
 {%- for message in messages %}
 {%- if message.role == 'system' %}
 {%- elif message.role == 'assistant' %}<|im_start|>assistant
-{{ message.content }}
+{% if message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{{ message.content }}
 {%- for tc in message.tool_calls or [] %}<tool_call>{{ tc.function | tojson }}</tool_call>{% endfor %}<|im_end|>
 {% elif message.role == 'tool' %}<|im_start|>user
 <tool_response>{{ message.content }}</tool_response><|im_end|>
