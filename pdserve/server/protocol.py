@@ -202,6 +202,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True  # only with messages
+    chat_template_kwargs: dict[str, Any] | None = None   # only with messages, as chat completions take them
     add_special_tokens: bool = True     # only with prompt
 
 

@@ -89,7 +89,7 @@ def prompt_ids(response) -> list[int]:
     return [None] + [int(next(iter(e))) for e in entries[1:]]
 
 
-def test_enable_thinking_false_reaches_the_template_and_there_is_no_thinking(client, thinking_model):
+def test_enable_thinking_false_reaches_the_template_and_there_is_no_thinking(client, server, thinking_model):
     tok = Tokenizer.from_dir(thinking_model)
     on = ask(client, extra_body={"prompt_logprobs": 0})
     off = ask(client, extra_body={"prompt_logprobs": 0, "chat_template_kwargs": {"enable_thinking": False}})
@@ -98,6 +98,9 @@ def test_enable_thinking_false_reaches_the_template_and_there_is_no_thinking(cli
     assert prompt_ids(on)[1:] == tok.encode_chat(MESSAGES)[1:]
     assert tok.decode(expected, skip_special_tokens=False).endswith("assistant\n<think>\n\n</think>\n\n")
     assert off.usage.prompt_tokens == on.usage.prompt_tokens + 4   # <think> \n\n </think> \n\n
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES,
+                                                             "chat_template_kwargs": {"enable_thinking": False}})
+    assert tokenized.json()["tokens"] == expected   # /tokenize renders the same prompt
     assert fields(off.choices[0].message) == (None, CONTENT)
     reasoning, content, _, _, kinds = streamed(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert (reasoning, content) == (None, CONTENT) and set(kinds) == {"content"}
