@@ -155,3 +155,22 @@ def test_template_kwargs(kwargs, ok):
         with pytest.raises(RequestError) as e:
             check_template_kwargs(kwargs)
         assert e.value.param == "chat_template_kwargs"
+
+
+def test_a_grammar_waiting_for_its_token_keeps_a_sequence_from_speculating():
+    from pdserve.engine.sequence import Sequence
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.spec_decode.speculator import eligible
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0), 0.0)
+    seq.num_computed_tokens = 2
+    assert eligible(seq)
+    seq.pending_matcher = object()   # a draft past </think> would escape the grammar
+    assert not eligible(seq)
+
+
+@pytest.mark.parametrize("bad", [-1, "5", 2**31])
+def test_grammar_after_token_is_a_token_id(bad):
+    from pdserve.sampling_params import SamplingParams
+    with pytest.raises(RequestError) as e:
+        SamplingParams(grammar_after_token=bad)
+    assert e.value.param == "grammar_after_token"
