@@ -37,6 +37,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None   # constrained decoding (pdserve/engine/grammar.py)
+    # A token id: the grammar constrains only what follows the first time this token is generated
+    # (a reasoning parser's end-of-thinking token: the thinking is free, the answer constrained,
+    # as vLLM's structured outputs wait for the reasoning to end). None: from the first token.
+    grammar_after_token: int | None = None
     # Only the finished output, none per step (vLLM's RequestOutputKind.FINAL_ONLY): what
     # LLM.generate and non-streamed API responses read. Saves making an output per request and step.
     final_only: bool = False
@@ -101,6 +105,9 @@ class SamplingParams:
             bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             bad("grammar", f"must be a GrammarSpec, got {type(self.grammar).__name__}")
+        if self.grammar_after_token is not None and (not isinstance(self.grammar_after_token, int)
+                                                     or not 0 <= self.grammar_after_token <= MAX_TOKEN_ID):
+            bad("grammar_after_token", f"must be a token id, got {self.grammar_after_token!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):

@@ -46,7 +46,10 @@ class OutputProcessor:
                                f"context length of {limit} tokens", param="max_tokens")
         matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
         seq = Sequence(request_id, ids, params, arrival_time)
-        seq.matcher = matcher
+        if matcher is not None and params.grammar_after_token is not None:
+            seq.pending_matcher = matcher   # constrains from the token after grammar_after_token
+        else:
+            seq.matcher = matcher
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         # what _check_stop looks for, folded: a token that can stop it, the length it stops at
         # (within the context limit: checked above)
@@ -61,6 +64,8 @@ class OutputProcessor:
     def append_token(self, seq: Sequence, token: int, logprobs: dict | None, now: float) -> None:
         """Add a sampled token; sets seq.finish_reason when a stop condition is met."""
         seq.token_ids.append(token)
+        if seq.pending_matcher is not None and token == seq.params.grammar_after_token:
+            seq.matcher, seq.pending_matcher = seq.pending_matcher, None   # the grammar starts with the next token
         m = seq.metrics
         if m.first_token_time is None:
             m.first_token_time = now

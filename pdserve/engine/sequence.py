@@ -28,7 +28,7 @@ class Sequence:
                  "num_computed_tokens", "prefill_len", "block_table", "metrics", "finish_reason", "stop_reason",
                  "logprobs", "argmax_only", "final_only", "stop_ids", "max_len", "generator", "detokenizer", "text",
                  "sent_text_len", "text_tokens", "defer_text", "block_hashes", "num_cached_blocks", "cache_parent",
-                 "priority", "stop_token_ids", "min_tokens_banned", "matcher", "draft_token_ids", "draft_computed",
+                 "priority", "stop_token_ids", "min_tokens_banned", "matcher", "pending_matcher", "draft_token_ids", "draft_computed",
                  "spec_accepts", "spec_rejects", "kv_transfer", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float):
@@ -74,6 +74,9 @@ class Sequence:
         # constrained decoding: the llguidance matcher of params.grammar (set by new_sequence);
         # a constrained sequence is never argmax_only, so its mask is always applied
         self.matcher = None
+        # the matcher of a grammar that starts after params.grammar_after_token is generated (the
+        # thinking of a reasoning model is not constrained): it becomes `matcher` then
+        self.pending_matcher = None
         # speculative decoding (pdserve/spec_decode): the drafts proposed for the coming step (the
         # scheduler may cut them to its budget), the tokens whose draft-model K/V is cached, and
         # decayed counts of accepted and rejected drafts (the acceptance estimate)

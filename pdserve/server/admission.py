@@ -12,6 +12,7 @@ from pdserve import __version__
 from pdserve.errors import RequestError
 from pdserve.generation_config import GenerationDefaults
 from pdserve.sampling_params import SamplingParams
+from pdserve.server import reasoning
 from pdserve.server.async_engine import AsyncEngine, EngineThread, Submission
 from pdserve.server.errors import APIError, Overloaded
 from pdserve.server.metrics import ServerMetrics
@@ -34,6 +35,7 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds from arrival; None: no limit
     api_key: str | None = None
     tool_call_parser: str | None = None   # pdserve/server/tool_parsers.py; None: tool_choice "auto" is refused
+    reasoning_parser: str | None = None   # pdserve/server/reasoning.py; None: the thinking stays in content
     step_log: str | None = None   # JSONL file: one line per engine step (for `pdserve report`)
     allowed_hosts: list[str] | None = None   # Host header names accepted; None: any
     cors_origins: list[str] = field(default_factory=list)   # empty: no CORS headers at all
@@ -58,6 +60,8 @@ class ServerState:
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
                                         engine_thread, self.step_events)
         self.created = int(time.time())
+        # --reasoning-parser, checked against this tokenizer (ConfigError: its tags are not tokens)
+        self.reasoning = reasoning.build(config.reasoning_parser, self.tokenizer)
         # generation_config.json's sampling defaults (--generation-config); a test's stand-in engine has none
         engine_config = getattr(engine, "config", None)
         self.generation = engine_config.generation_defaults() if hasattr(engine_config, "generation_defaults") \

@@ -17,6 +17,7 @@ from pdserve.arg_types import int_at_least, number_at_least, seconds
 from pdserve.engine.args import DEFAULT_MODEL, add_engine_args, check_engine_args, engine_kwargs
 from pdserve.errors import ConfigError
 from pdserve.proxy import disaggregate
+from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.server.tool_parsers import PARSERS
 
 
@@ -92,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how answers become tool_calls with tool_choice \"auto\": hermes (= qwen2.5: "
                         "<tool_call> blocks) or llama3_json (default: none; \"auto\" is then refused, "
                         "\"required\" and named functions work without one)")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split a thinking model's output, as vLLM does: the thinking goes to the message's "
+                        "reasoning_content (and reasoning), the answer to content; tool calls and structured "
+                        "outputs apply to the answer. qwen3 (<think>...</think>; chat_template_kwargs "
+                        "{\"enable_thinking\": false} turns thinking off) or deepseek_r1 (the output starts "
+                        "inside <think>); the tags must be tokens of the checkpoint (default: none)")
     g.add_argument("--request-timeout", type=seconds, default=None, metavar="SECONDS",
                    help="abort a request still unfinished this long after it arrived and free its KV blocks; "
                         "the client gets 504 request_timeout, or an error event in a stream (default: none)")
@@ -164,7 +171,7 @@ def server_config(args: argparse.Namespace, model_name: str):
                         max_request_cost=args.max_request_cost, allowed_hosts=allowed_hosts(args),
                         cors_origins=args.allowed_origins, cors_methods=args.allowed_methods,
                         cors_headers=args.allowed_headers, cors_credentials=args.allow_credentials,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
 
 class _Server(uvicorn.Server):
@@ -277,6 +284,14 @@ def check_ray_flags(args: argparse.Namespace) -> None:
                           "--decode-replicas to resize the pools")
 
 
+def check_reasoning_parser(args: argparse.Namespace) -> None:
+    """--reasoning-parser against the checkpoint's tokenizer, before the model loads (one-line ConfigError)."""
+    if args.reasoning_parser is not None:
+        from pdserve.server.reasoning import build
+        from pdserve.tokenizer import Tokenizer
+        build(args.reasoning_parser, Tokenizer.from_dir(args.model))
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.server.app import build_app
     from pdserve.server.connections import guarded_protocol
@@ -294,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--prefill-cores and --decode-cores need --disaggregate")
     sock = bind(args.host, args.port)
     check_engine_args(args)
+    check_reasoning_parser(args)
     engine, engine_thread = build_engine(args)
     config = server_config(args, engine.model_name)
     app = build_app(engine, config, engine_thread)

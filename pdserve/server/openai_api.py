@@ -16,7 +16,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import RequestError
 from pdserve.server.errors import APIError, error_body
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.server import tool_calls
+from pdserve.server import reasoning, tool_calls
 from pdserve.server.admission import ServerState, get_state
 from pdserve.server.streaming import DONE, sse, sse_response, unless_disconnected
 from pdserve.server.structured import check_grammar
@@ -336,11 +336,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                "answer (required or a named function)", param=grammar.param)
         grammar = tools.grammar
     await check_grammar(s.engine, grammar)
-    extra = {"tools": tools.tools} if tools.tools else {}
-    prompt = await s.encode_chat([tool_calls.template_message(m.as_template_dict()) for m in body.messages],
-                                 add_generation_prompt=True, **extra)
+    extra = reasoning.check_template_kwargs(body.chat_template_kwargs)
+    if tools.tools:
+        extra["tools"] = tools.tools
+    messages = [tool_calls.template_message(m.as_template_dict()) for m in body.messages]
+    prompt = await s.encode_chat(messages, add_generation_prompt=True, **extra)
     if not prompt:
         raise RequestError("messages render to an empty prompt", param="messages")
+    # with --reasoning-parser: where the prompt leaves the model (thinking on, off, already open)
+    think = None if s.reasoning is None else await s.offload(
+        lambda: reasoning.chat_prompt_state(s.reasoning, s.tokenizer, messages, **extra))
+    if think is not None and grammar is not None:   # the grammar constrains the answer, not the thinking
+        after = s.reasoning.grammar_after_token(think)
+        extra_params = {} if after is None else {"grammar_after_token": after}
+    else:
+        extra_params = {}
     s.check_prompt_len([prompt], param="messages")
     # OpenAI's chat default: as many as can be served, within the context and the KV cache (or
     # max_new_tokens), and --max-request-cost with what prompt logprobs take of it. If the prompt
@@ -351,12 +361,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                       spent=s.prompt_cost([prompt], body.n, prompt_k))
     s.check_prompt_cost(body.n, max_tokens, logprobs, [prompt], body.n, prompt_k, "prompt_logprobs")
     params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_k,
-                               final_only=not body.stream, grammar=grammar, **body.sampling_kwargs())
+                               final_only=not body.stream, grammar=grammar, **extra_params, **body.sampling_kwargs())
     request_id, sub = await s.submit([prompt] * body.n, params, arrival, "chatcmpl")
     if body.stream:
-        return sse_response(_chat_events(s, body, sub, _head(request_id, "chat.completion.chunk", s), prompt, tools))
+        return sse_response(_chat_events(s, body, sub, _head(request_id, "chat.completion.chunk", s), prompt, tools,
+                                         think))
     return await unless_disconnected(
-        request, _chat_response(s, body, sub, _head(request_id, "chat.completion", s), prompt, tools))
+        request, _chat_response(s, body, sub, _head(request_id, "chat.completion", s), prompt, tools, think))
 
 
 def _tool_finish(ending: dict, has_calls: bool) -> dict:
@@ -364,17 +375,21 @@ def _tool_finish(ending: dict, has_calls: bool) -> dict:
     return {**ending, "finish_reason": "tool_calls"} if has_calls and ending["finish_reason"] == "stop" else ending
 
 
-async def _chat_response(s, body, sub, head, prompt, tools) -> Response:
+async def _chat_response(s, body, sub, head, prompt, tools, think) -> Response:
     choices = await sub.collect()
     k = body.top_logprobs or 0
 
     def build() -> dict:
         res = []
         for i, c in enumerate(choices):
-            message, ending = {"role": "assistant", "content": c.text}, _ending(c)
-            if tools.mode != "none":
-                content, calls = tool_calls.extract(tools, c.text, c.finish_reason)
-                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            text, thought = c.text, {}
+            if think is not None:   # the answer is what follows the thinking
+                r, text = s.reasoning.split(c.text, think)
+                thought = reasoning.message_fields(r)
+            message, ending = {"role": "assistant", "content": text, **thought}, _ending(c)
+            if tools.mode != "none" and text is not None:
+                content, calls = tool_calls.extract(tools, text, c.finish_reason)
+                message = {"role": "assistant", "content": content, **thought, **({"tool_calls": calls} if calls else {})}
                 ending = _tool_finish(ending, bool(calls))
             lp = {"content": chat_logprobs(s.tokenizer, c.token_ids, c.logprobs, k)} if body.logprobs else None
             res.append({"index": i, "message": message, "logprobs": lp, **ending})
@@ -385,14 +400,21 @@ async def _chat_response(s, body, sub, head, prompt, tools) -> Response:
     return await _json_response(s, choices, max(k if body.logprobs else 0, body.prompt_logprobs or 0), build)
 
 
-def _chat_events(s, body, sub, head, prompt, tools):
+def _chat_events(s, body, sub, head, prompt, tools, think):
     streams = [tool_calls.ToolStream(tools) if tools.mode != "none" else None for _ in range(body.n)]
+    thinking = None if think is None else [s.reasoning.stream(think) for _ in range(body.n)]
 
     def choices_of(out: RequestOutput, i: int):
+        text, deltas = out.new_text, []
+        if thinking is not None:   # reasoning deltas first; the answer's text goes on as content
+            d = thinking[i].feed(text, out.finished)
+            if d.reasoning:
+                deltas.append(reasoning.message_fields(d.reasoning))
+            text = d.content
         if streams[i] is None:
-            deltas = [{"content": out.new_text}] if out.new_text else []
-        else:
-            deltas = streams[i].deltas(out.new_text, out.finished, out.finish_reason)
+            deltas += [{"content": text}] if text else []
+        elif text or out.finished:
+            deltas += streams[i].deltas(text, out.finished, out.finish_reason)
         # a finished answer's tool calls: one event each, before the last delta
         events = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas[:-1]]
         choice = {"index": i, "delta": deltas[-1] if deltas else {}, "logprobs": None, "finish_reason": None}

@@ -146,6 +146,10 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None   # an assistant's earlier calls
     tool_call_id: str | None = None                   # a tool result's call
+    # an assistant's earlier thinking, as a response gave it (vLLM takes both names): templates
+    # such as Qwen3's read message.reasoning_content
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def as_template_dict(self) -> dict:
         # Templates expect content as one string; text parts are joined as OpenAI does.
@@ -155,6 +159,9 @@ class ChatMessage(_Strict):
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:
+            d["reasoning_content"] = d["reasoning"] = thought
         return d
 
 
@@ -165,6 +172,9 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     continue_final_message: Any = None   # not supported: refused when given, not ignored
+    # variables for the chat template, as vLLM takes them (e.g. {"enable_thinking": false} for Qwen3);
+    # the ones the server sets are refused (server/reasoning.py)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- the origin server's endpoints (field names are theirs)
@@ -192,6 +202,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True  # only with messages
+    chat_template_kwargs: dict[str, Any] | None = None   # only with messages, as chat completions take them
     add_special_tokens: bool = True     # only with prompt
 
 

@@ -9,6 +9,7 @@ from pdserve.errors import RequestError
 from pdserve.server.errors import error_body
 from pdserve.server.metrics import CONTENT_TYPE
 from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pdserve.server.reasoning import check_template_kwargs
 from pdserve.server.admission import OFFLOAD_CHARS, get_state
 
 router = APIRouter()
@@ -21,7 +22,8 @@ async def tokenize(body: TokenizeRequest, request: Request):
         raise RequestError("give exactly one of `prompt` and `messages`", param="prompt")
     if body.messages is not None:
         tokens = await s.encode_chat([m.as_template_dict() for m in body.messages],
-                                     add_generation_prompt=body.add_generation_prompt)
+                                     add_generation_prompt=body.add_generation_prompt,
+                                     **check_template_kwargs(body.chat_template_kwargs))
     else:
         s.check_prompt_chars([body.prompt])
         tokenize = functools.partial(s.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)

@@ -37,9 +37,10 @@ class SpecStats:
 
 def eligible(seq: Sequence) -> bool:
     """Whether seq may speculate now: a decode whose sampling reads nothing that drafts would
-    change between positions (grammar, penalties, a min_tokens mask still on)."""
+    change between positions (grammar, penalties, a min_tokens mask still on). A grammar waiting
+    for its start token counts: a draft past that token would escape it."""
     p = seq.params
-    return (seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.matcher is None
+    return (seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.matcher is None and seq.pending_matcher is None
             and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
             and len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)
 
