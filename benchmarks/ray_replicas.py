@@ -63,12 +63,12 @@ def ray_runs(model: str, out_dir: str, sizes: dict, seed: int) -> dict:
     from ray.cluster_utils import Cluster
 
     from pdserve.cli import Parser
-    from pdserve.ray.app import deploy
-    from pdserve.server import launch
+    from pdserve.entrypoints.ray_serve import deploy
+    from pdserve.entrypoints import serve_args
 
     def args(routing: str):
         p = Parser(prog="pdserve serve")
-        launch.add_arguments(p)
+        serve_args.add_arguments(p)
         return p.parse_args(["--model", model, "--ray", "--num-replicas", "2", "--ray-replicas-per-node", "1",
                              "--routing", routing])
 

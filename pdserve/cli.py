@@ -9,8 +9,8 @@ from pdserve.errors import CheckpointError, ConfigError, RequestError
 
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args).
 COMMANDS = {
-    "serve": ("pdserve.server.launch", "serve a model over HTTP (OpenAI-compatible API)"),
-    "proxy": ("pdserve.proxy.launch", "serve the OpenAI API over prefill and decode workers (disaggregated)"),
+    "serve": ("pdserve.entrypoints.serve", "serve a model over HTTP (OpenAI-compatible API)"),
+    "proxy": ("pdserve.entrypoints.proxy", "serve the OpenAI API over prefill and decode workers (disaggregated)"),
     "generate": ("pdserve.generate", "generate offline for prompts given on the command line"),
     "bench": ("pdserve.bench.serve_bench", "benchmark any OpenAI-compatible server (vLLM's definitions)"),
     "perplexity": ("pdserve.bench.perplexity", "perplexity of a served model over a text file (sliding windows)"),

@@ -7,7 +7,7 @@ are sent (an SSE stream token by token). When the caller goes away (its client d
 cancels the generator: the app then sees http.disconnect and aborts the request, as it would for a
 client of `pdserve serve`.
 
-In P/D pools (app.py) a replica is a `--role prefill` or `--role decode` engine; with
+In P/D pools (entrypoints/ray_serve.py) a replica is a `--role prefill` or `--role decode` engine; with
 node_kv_host, a prefill replica's KV listener binds its node's IP (the address Ray reaches that
 node by), so that a decode replica on another node can pull the KV from it over TCP."""
 import asyncio

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.proxy import launch
+from pdserve.entrypoints import proxy as launch
 from tests.kv_transfer.pd import ENGINE, SECRET
 from tests.proxy.conftest import Served, proxy_args
 from tests.proxy.fake_worker import FakeWorker

@@ -9,7 +9,7 @@ import pytest
 import uvicorn
 
 from pdserve.bench.servers import free_port
-from pdserve.proxy import launch
+from pdserve.entrypoints import proxy as launch
 from tests.proxy.fake_worker import FakeWorker
 
 

@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.proxy import launch
+from pdserve.entrypoints import proxy as launch
 from tests.kv_transfer.pd import SECRET
 from tests.proxy.conftest import Served, proxy_args
 from tests.server.conftest import metrics

@@ -7,8 +7,8 @@ import pytest
 from pdserve import cli
 from pdserve.errors import ConfigError
 from pdserve.proxy.cores import format_cores, parse_cores, split_cores
-from pdserve.proxy.disaggregate import WorkerProcess, step_log_for, worker_flags
-from pdserve.server.launch import add_arguments, resolve_model
+from pdserve.entrypoints.disaggregate import WorkerProcess, step_log_for, worker_flags
+from pdserve.entrypoints.serve_args import add_arguments, resolve_model
 
 
 def test_core_lists_parse_and_print_as_taskset_writes_them():

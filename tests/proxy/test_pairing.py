@@ -3,7 +3,7 @@ import pytest
 
 from pdserve import cli
 from pdserve.errors import ConfigError
-from pdserve.proxy import launch
+from pdserve.entrypoints import proxy as launch
 from tests.proxy.conftest import Served, proxy_args
 from tests.proxy.fake_worker import FakeWorker
 

@@ -61,8 +61,8 @@ def test_a_bad_combination_of_pool_flags_is_one_line_before_ray_starts(monkeypat
 def test_serve_starts_its_own_ray_instance_unless_given_a_cluster(monkeypatch, tiny_llama, flags, env, expected):
     pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
     from pdserve.cli import Parser
-    from pdserve.ray import app
-    from pdserve.server import launch
+    from pdserve.entrypoints import ray_serve as app
+    from pdserve.entrypoints import serve_args
     seen = {}
 
     class Stop(Exception):
@@ -78,7 +78,7 @@ def test_serve_starts_its_own_ray_instance_unless_given_a_cluster(monkeypatch, t
     else:
         monkeypatch.setenv("RAY_ADDRESS", env)
     p = Parser(prog="pdserve serve")
-    launch.add_arguments(p)
+    serve_args.add_arguments(p)
     with pytest.raises(Stop):
         app.run(p.parse_args(["--model", tiny_llama, "--ray", *flags]))
     assert seen["address"] == expected

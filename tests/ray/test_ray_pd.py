@@ -17,9 +17,9 @@ httpx = pytest.importorskip("httpx")
 
 from pdserve.cli import Parser  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.ray.app import APP_NAME, POOLS, deploy  # noqa: E402
+from pdserve.entrypoints.ray_serve import APP_NAME, POOLS, deploy  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
-from pdserve.server import launch  # noqa: E402
+from pdserve.entrypoints import serve_args  # noqa: E402
 from tests.helpers import finish_all  # noqa: E402
 
 LONG = 450   # tokens of the streams a decode replica is killed under (the context is 512)
@@ -30,12 +30,12 @@ PREFILL_LEN = 480   # prompt tokens of the requests a prefill replica is killed 
 
 def parse(model: str, *extra: str):
     p = Parser(prog="pdserve serve")
-    launch.add_arguments(p)
+    serve_args.add_arguments(p)
     args = p.parse_args(["--model", model, "--ray", "--prefill-replicas", "1", "--decode-replicas", "1",
                          "--max-model-len", "512", "--max-num-batched-tokens", "16", "--shutdown-timeout", "5",
                          *extra])
-    launch.resolve_model(args)
-    launch.check_ray_flags(args)
+    serve_args.resolve_model(args)
+    serve_args.check_ray_flags(args)
     return args
 
 

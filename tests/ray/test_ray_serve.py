@@ -13,9 +13,9 @@ httpx = pytest.importorskip("httpx")
 
 from pdserve.cli import Parser  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.ray.app import APP_NAME, deploy, scale  # noqa: E402
+from pdserve.entrypoints.ray_serve import APP_NAME, deploy, scale  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
-from pdserve.server import launch  # noqa: E402
+from pdserve.entrypoints import serve_args  # noqa: E402
 from tests.helpers import finish_all  # noqa: E402
 
 LONG = 450   # tokens of the requests a replica is killed under (the context is 512)
@@ -24,10 +24,10 @@ PROMPTS = ["Once upon a time there was a little cat", "The dog ran to the park a
 
 def parse(model: str, *extra: str):
     p = Parser(prog="pdserve serve")
-    launch.add_arguments(p)
+    serve_args.add_arguments(p)
     args = p.parse_args(["--model", model, "--ray", "--num-replicas", "2", "--ray-replicas-per-node", "1",
                          "--max-model-len", "512", "--shutdown-timeout", "5", *extra])
-    launch.resolve_model(args)
+    serve_args.resolve_model(args)
     return args
 
 

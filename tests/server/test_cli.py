@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from pdserve.server import launch
+from pdserve.entrypoints import serve_args
 
 
 def pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -68,7 +68,7 @@ def test_version():
 
 def test_help_shows_every_default():
     parser = argparse.ArgumentParser()
-    launch.add_arguments(parser)
+    serve_args.add_arguments(parser)
     for action in parser._actions:
         if action.default not in (None, argparse.SUPPRESS, False) and action.help != argparse.SUPPRESS:
             assert "default" in (action.help or ""), action.option_strings

@@ -6,7 +6,7 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.server import launch
+from pdserve.entrypoints import api_server, serve, serve_args
 from pdserve.server.async_engine import EngineThread
 from tests.server.fake_engine import FakeEngine
 
@@ -48,10 +48,10 @@ def test_serve_builds_and_steps_the_engine_on_one_thread(monkeypatch):
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc"
 
     monkeypatch.setattr("pdserve.engine.llm_engine.LLMEngine", build)
-    monkeypatch.setattr(launch._Server, "run", serve_one_request)
-    monkeypatch.setattr(launch.signal, "signal", lambda *_: None)   # keep pytest's own handlers
+    monkeypatch.setattr(api_server._Server, "run", serve_one_request)
+    monkeypatch.setattr(api_server.signal, "signal", lambda *_: None)   # keep pytest's own handlers
     parser = argparse.ArgumentParser()
-    launch.add_arguments(parser)
-    launch.run(parser.parse_args(["--port", "0"]))
+    serve_args.add_arguments(parser)
+    serve.run(parser.parse_args(["--port", "0"]))
     (engine,) = engines
     assert engine.stepped_on == {engine.built_on} and engine.built_on != threading.get_ident()

@@ -17,7 +17,7 @@ from pdserve.proxy.pairing import check_pairing
 from pdserve.proxy.relay import Proxy
 from pdserve.proxy.routing import ROUTINGS, Router, Worker, worker_url
 from pdserve.arg_types import int_at_least, number_at_least, seconds
-from pdserve.server.launch import allowed_hosts, bind
+from pdserve.entrypoints.network import allowed_hosts, bind
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,8 @@ import time
 from pdserve.errors import ConfigError
 from pdserve.kv_transfer import auth
 from pdserve.kv_transfer.connector import WILDCARD_HOSTS
-from pdserve.proxy.cores import format_cores, parse_cores, split_cores
+from pdserve.entrypoints.serve_args import add_arguments as add_serve_arguments
+from pdserve.proxy.cores import format_cores, split_cores
 
 # serve flags the launcher sets per worker rather than passing on
 OWN = {"disaggregate", "prefill_cores", "decode_cores", "host", "port", "threads", "step_log", "role", "model_dir",
@@ -33,23 +34,9 @@ READY_TIMEOUT_S = 900.0   # a worker loading a large checkpoint on a busy machin
 PR_SET_PDEATHSIG = 1
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("disaggregated serving (docs/API.md)")
-    g.add_argument("--disaggregate", action="store_true",
-                   help="run a prefill worker, a decode worker and the proxy (on --host/--port), each worker on its "
-                        "own cores; the other flags go to both workers")
-    g.add_argument("--prefill-cores", type=parse_cores, default=None, metavar="CORES",
-                   help="--disaggregate: the prefill worker's cores, e.g. 0 or 0-3 (default: the first half of the "
-                        "cores this process may use)")
-    g.add_argument("--decode-cores", type=parse_cores, default=None, metavar="CORES",
-                   help="--disaggregate: the decode worker's cores (default: the others)")
-
-
 def worker_flags(args: argparse.Namespace) -> list[str]:
     """The `pdserve serve` flags of `args` that differ from their defaults, as a command line
     (built from the parser's actions, so abbreviations and --flag=value forms need no handling)."""
-    from pdserve.server.launch import add_arguments as add_serve_arguments
-
     parser = argparse.ArgumentParser(add_help=False)
     add_serve_arguments(parser)
     flags = []
@@ -171,7 +158,7 @@ def kv_flags(args: argparse.Namespace, kv_port: int) -> tuple[list[str], list[st
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.bench.servers import free_port
-    from pdserve.server.launch import bind
+    from pdserve.entrypoints.network import bind
 
     if getattr(args, "role", "both") != "both":
         raise ConfigError(f"--role {args.role} cannot be combined with --disaggregate, which starts one worker "
@@ -208,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args, sock, prefill: WorkerProcess, decode: WorkerProcess) -> int:
-    from pdserve.proxy.launch import build, serve
+    from pdserve.entrypoints.proxy import build, serve
 
     app, pairing = build(proxy_args(args, prefill, decode))
     server = serve(app, args)

@@ -1,22 +1,12 @@
-"""`pdserve serve`: load a checkpoint and serve it over HTTP until SIGTERM or Ctrl-C.
-
-On the first SIGTERM/SIGINT the server stops admitting (new requests get 503, /health
-says so, the listening socket closes), lets running requests finish for up to
---shutdown-timeout seconds, ends what is left with a shutdown_timeout error, and exits 0.
-"""
+"""The flags of `pdserve serve`, for each way it runs (one engine, Ray Serve replicas, a
+disaggregated prefill/decode pair), and the checks on them that need no model."""
 import argparse
-import asyncio
-import logging
 import os
-import signal
-import socket
-
-import uvicorn
 
 from pdserve.arg_types import int_at_least, number_at_least, seconds
-from pdserve.engine.args import DEFAULT_MODEL, add_engine_args, check_engine_args, engine_kwargs
+from pdserve.engine.args import DEFAULT_MODEL, add_engine_args
 from pdserve.errors import ConfigError
-from pdserve.proxy import disaggregate
+from pdserve.proxy.cores import parse_cores
 from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.server.tool_parsers import PARSERS
 
@@ -143,90 +133,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="deploy and return; the app runs on until `serve shutdown` (default: serve until Ctrl-C)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and its access log (default: %(default)s)")
-    disaggregate.add_arguments(parser)
-
-
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-# Names that always reach a server bound to loopback, whatever --host says.
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
-
-
-def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
-    """--allowed-hosts, or its default; None means any Host."""
-    if args.allowed_hosts is not None:
-        return None if "*" in args.allowed_hosts else args.allowed_hosts
-    if args.host in WILDCARD_HOSTS:   # every interface: names this machine goes by are not known here
-        return None
-    return list(dict.fromkeys([args.host, *LOCAL_HOSTS]))
-
-
-def server_config(args: argparse.Namespace, model_name: str):
-    from pdserve.server.admission import ServerConfig
-    return ServerConfig(served_model_name=args.served_model_name or model_name, max_waiting=args.max_waiting,
-                        max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
-                        max_stop_length=args.max_stop_length,
-                        max_stop_token_ids=args.max_stop_token_ids, max_prompt_tokens=args.max_prompt_tokens,
-                        max_tokens_cap=args.max_tokens_cap, max_n=args.max_n, max_logprobs=args.max_logprobs,
-                        request_timeout=args.request_timeout, api_key=args.api_key or None, step_log=args.step_log,
-                        max_request_cost=args.max_request_cost, allowed_hosts=allowed_hosts(args),
-                        cors_origins=args.allowed_origins, cors_methods=args.allowed_methods,
-                        cors_headers=args.allowed_headers, cors_credentials=args.allow_credentials,
-                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, telling the engine when shutdown begins and when its time is up.
-
-    On the signal the engine stops admitting. At --shutdown-timeout every request still running is
-    ended with an explicit shutdown_timeout error (a stream gets it as its last event, then
-    [DONE]); uvicorn's own timeout, FLUSH_S later, only cancels handlers that could not send it
-    (a stalled client)."""
-    FLUSH_S = 2.0
-
-    def __init__(self, app, async_engine, shutdown_timeout: float, **config):
-        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + self.FLUSH_S, **config))
-        self.async_engine, self.shutdown_timeout = async_engine, shutdown_timeout
-
-    def handle_exit(self, sig, frame):
-        self.async_engine.accepting = False
-        if self.async_engine.step_events is not None:   # endless streams would hold the shutdown up
-            self.async_engine.step_events.close()
-        super().handle_exit(sig, frame)
-
-    async def shutdown(self, sockets=None):
-        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self.async_engine.end_unfinished,
-                                                      self.shutdown_timeout)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            timer.cancel()
-
-
-def build_engine(args: argparse.Namespace):
-    """The backend, built on the thread that will step it (async_engine.EngineThread says why)."""
-    from pdserve.engine.llm_engine import LLMEngine   # heavy (torch): only when serving
-    from pdserve.server.async_engine import EngineThread
-
-    if args.backend == "engine":
-        cls, extra = LLMEngine, {}
-    else:
-        from pdserve.baselines import BACKENDS
-        cls = BACKENDS[args.backend]
-        extra = dict(batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms) if args.backend == "static" else {}
-    thread = EngineThread()
-    return thread.call(cls, **engine_kwargs(args), **extra), thread
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads: a taken port is reported at once."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as e:
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
+    g = parser.add_argument_group("disaggregated serving (docs/API.md)")
+    g.add_argument("--disaggregate", action="store_true",
+                   help="run a prefill worker, a decode worker and the proxy (on --host/--port), each worker on its "
+                        "own cores; the other flags go to both workers")
+    g.add_argument("--prefill-cores", type=parse_cores, default=None, metavar="CORES",
+                   help="--disaggregate: the prefill worker's cores, e.g. 0 or 0-3 (default: the first half of the "
+                        "cores this process may use)")
+    g.add_argument("--decode-cores", type=parse_cores, default=None, metavar="CORES",
+                   help="--disaggregate: the decode worker's cores (default: the others)")
 
 
 def resolve_model(args: argparse.Namespace) -> None:
@@ -235,25 +150,6 @@ def resolve_model(args: argparse.Namespace) -> None:
         if args.model not in (DEFAULT_MODEL, args.model_dir):
             raise ConfigError(f"two models given: {args.model_dir} and --model {args.model}")
         args.model = args.model_dir
-
-
-def capacity(engine, args: argparse.Namespace) -> str:
-    """One line on what this server can hold, for the startup log."""
-    import resource
-
-    import torch
-    runner = getattr(engine, "runner", None)
-    if runner is None:   # a baseline backend
-        return f"backend {args.backend}, max_model_len {engine.max_model_len}"
-    tokens = runner.num_blocks * runner.block_size
-    if runner.device.type == "cuda":
-        memory = f"{torch.cuda.memory_allocated(runner.device) / 2**30:.2f} GiB on the GPU"
-    else:   # ru_maxrss is in KiB on Linux
-        memory = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
-    return (f"dtype {str(runner.dtype).removeprefix('torch.')} on {runner.device}, {runner.backend.describe()}, "
-            f"{torch.get_num_threads()} threads; KV cache {runner.num_blocks} blocks x {runner.block_size} = "
-            f"{tokens} tokens: {tokens // engine.max_model_len} sequences at the full {engine.max_model_len} "
-            f"tokens (--max-num-seqs {engine.config.max_num_seqs}); memory {memory}")
 
 
 def check_ray_flags(args: argparse.Namespace) -> None:
@@ -282,48 +178,3 @@ def check_ray_flags(args: argparse.Namespace) -> None:
     if args.ray_scale is not None:
         raise ConfigError("--ray-scale changes a --num-replicas app; redeploy with other --prefill-replicas/"
                           "--decode-replicas to resize the pools")
-
-
-def check_reasoning_parser(args: argparse.Namespace) -> None:
-    """--reasoning-parser against the checkpoint's tokenizer, before the model loads (one-line ConfigError)."""
-    if args.reasoning_parser is not None:
-        from pdserve.server.reasoning import build
-        from pdserve.tokenizer import Tokenizer
-        build(args.reasoning_parser, Tokenizer.from_dir(args.model))
-
-
-def run(args: argparse.Namespace) -> int:
-    from pdserve.server.app import build_app
-    from pdserve.server.connections import guarded_protocol
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    resolve_model(args)
-    check_ray_flags(args)
-    if args.ray:
-        from pdserve.ray.app import run as run_on_ray   # needs the ray extra: the CLI says so if missing
-        return run_on_ray(args)
-    if args.disaggregate:
-        check_engine_args(args)
-        return disaggregate.run(args)
-    if args.prefill_cores is not None or args.decode_cores is not None:
-        raise ConfigError("--prefill-cores and --decode-cores need --disaggregate")
-    sock = bind(args.host, args.port)
-    check_engine_args(args)
-    check_reasoning_parser(args)
-    engine, engine_thread = build_engine(args)
-    config = server_config(args, engine.model_name)
-    app = build_app(engine, config, engine_thread)
-
-    protocol = guarded_protocol(args.header_timeout, args.body_timeout, args.max_connections)
-    server = _Server(app, app.state.pdserve.async_engine, args.shutdown_timeout, http=protocol,
-                     log_level=args.log_level)
-    # uvicorn re-raises the signal after its graceful shutdown, under the handlers that were there
-    # before it; with these the re-raise is a no-op and we exit 0 instead of dying of SIGTERM.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    log = logging.getLogger("pdserve.server")
-    log.info("model %s: %s", config.served_model_name, capacity(engine, args))
-    log.info("generation defaults: %s", app.state.pdserve.generation.describe())
-    log.info("serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
-    server.run(sockets=[sock])
-    return 0 if server.started else 1

@@ -31,7 +31,7 @@ log = logging.getLogger("pdserve.ray")
 
 def build_application(args: argparse.Namespace, num_replicas: int | None = None) -> serve.Application:
     """The application for parsed `pdserve serve --ray` arguments (num_replicas: instead of --num-replicas)."""
-    from pdserve.server.launch import server_config
+    from pdserve.entrypoints.api_server import server_config
     cpus = args.ray_cpus_per_replica
     kwargs = engine_kwargs(args)
     kwargs["threads"] = kwargs["threads"] or max(1, int(cpus))   # the forward uses the CPUs Ray reserved
