@@ -26,7 +26,8 @@ def server_config(args: argparse.Namespace, model_name: str):
                         max_request_cost=args.max_request_cost, allowed_hosts=allowed_hosts(args),
                         cors_origins=args.allowed_origins, cors_methods=args.allowed_methods,
                         cors_headers=args.allowed_headers, cors_credentials=args.allow_credentials,
-                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                        max_stored_responses=args.max_stored_responses)
 
 
 class _Server(uvicorn.Server):

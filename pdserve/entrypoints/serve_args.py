@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "outputs apply to the answer. qwen3 (<think>...</think>; chat_template_kwargs "
                         "{\"enable_thinking\": false} turns thinking off) or deepseek_r1 (the output starts "
                         "inside <think>); the tags must be tokens of the checkpoint (default: none)")
+    g.add_argument("--max-stored-responses", type=int_at_least(0), default=1000, metavar="N",
+                   help="/v1/responses kept in memory for previous_response_id: the last N (older ones, and "
+                        "those made with store: false, are refused by name; default: %(default)s)")
     g.add_argument("--request-timeout", type=seconds, default=None, metavar="SECONDS",
                    help="abort a request still unfinished this long after it arrived and free its KV blocks; "
                         "the client gets 504 request_timeout, or an error event in a stream (default: none)")

@@ -36,6 +36,7 @@ class ServerConfig:
     api_key: str | None = None
     tool_call_parser: str | None = None   # pdserve/server/tool_parsers.py; None: tool_choice "auto" is refused
     reasoning_parser: str | None = None   # pdserve/server/reasoning.py; None: the thinking stays in content
+    max_stored_responses: int = 1000      # /v1/responses kept for previous_response_id (responses_store.py)
     step_log: str | None = None   # JSONL file: one line per engine step (for `pdserve report`)
     allowed_hosts: list[str] | None = None   # Host header names accepted; None: any
     cors_origins: list[str] = field(default_factory=list)   # empty: no CORS headers at all

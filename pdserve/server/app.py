@@ -5,12 +5,13 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi_offline import FastAPIOffline
 
-from pdserve.server import openai_api, origin_api, utility_api, web
+from pdserve.server import openai_api, origin_api, responses_api, utility_api, web
 from pdserve.server.async_engine import EngineThread
 from pdserve.server.errors import install_error_handlers
 from pdserve.server.middleware import (APIKeyMiddleware, BodyMiddleware, HostCheckMiddleware,
                                        InternalErrorMiddleware)
 from pdserve.server.openapi import install_openapi
+from pdserve.server.responses_store import ResponseStore
 from pdserve.server.admission import ServerConfig, ServerState
 
 
@@ -31,7 +32,8 @@ def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None =
     app = FastAPIOffline(title="pdserve", version=state.version, lifespan=lifespan, static_url="/static/docs",
                          redoc_url=None)
     app.state.pdserve = state
-    for module in (openai_api, origin_api, utility_api):
+    app.state.responses = ResponseStore(config.max_stored_responses)   # previous_response_id
+    for module in (openai_api, responses_api, origin_api, utility_api):
         app.include_router(module.router)
     web.install(app)   # the page at / and /v1/engine/steps
     install_error_handlers(app)

@@ -20,9 +20,9 @@ WHY = {400: "Bad request: a field out of range or of the wrong type (named in `p
        504: "Not finished within --request-timeout"}
 # One server-sent event: its `data` is a JSON chunk, or [DONE] at the end.
 SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
-GENERATION = {"/v1/completions", "/v1/chat/completions", "/basic_generate", "/generate", "/generate_stream"}
+GENERATION = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/basic_generate", "/generate", "/generate_stream"}
 ORIGIN = {"BasicGenerateRequest", "GenerateRequest", "GenerateStreamRequest"}
-STREAMS = {"/v1/completions", "/v1/chat/completions", "/generate_stream"}
+STREAMS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate_stream"}
 
 
 def statuses(path: str, method: str, api_key: bool) -> list[int]:
@@ -34,7 +34,7 @@ def statuses(path: str, method: str, api_key: bool) -> list[int]:
         codes |= {413, 415}
     if path in GENERATION:
         codes |= {503, 504}
-    if path in ("/v1/completions", "/v1/chat/completions") or path.startswith("/v1/models/"):
+    if path in ("/v1/completions", "/v1/chat/completions", "/v1/responses") or path.startswith("/v1/models/"):
         codes.add(404)
     if path == "/health":
         codes.add(503)

@@ -1,0 +1,386 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat machinery.
+
+A request becomes one chat conversation (its `instructions` as the system message, the stored
+conversation of `previous_response_id`, then its `input` items: messages, earlier
+function_call and function_call_output items as assistant tool_calls and tool messages),
+rendered by the chat template with its function tools; `tool_choice` and `text.format` become
+the same tool plan (tool_calls.py) and grammar (structured.py) as chat's; the answer is parsed
+the way chat parses it. Only the shape of the result differs: chat's message fields
+(`reasoning_content`, `content`, `tool_calls`), or its stream's deltas, become output items
+(OutputBuilder): a `reasoning` item, a `message` with `output_text`, `function_call` items,
+and while streaming the Responses events with their sequence numbers.
+
+Reasoning: OutputBuilder turns `reasoning_content` (in a message or a delta) into a reasoning
+item. `_answer` and `_delta_source` are where a reasoning parser plugs in: the chat path's
+split of a finished answer, and of a streamed one, into reasoning and answer.
+"""
+import contextlib
+import copy
+import time
+import uuid
+from types import SimpleNamespace
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from pdserve.engine.grammar import GrammarSpec
+from pdserve.engine.outputs import RequestOutput
+from pdserve.errors import RequestError
+from pdserve.server import tool_calls
+from pdserve.server.admission import ServerState, get_state
+from pdserve.server.errors import APIError
+from pdserve.server.responses_protocol import ResponsesRequest, InputItem, join_text, refuse_unsupported
+from pdserve.server.responses_store import ResponseStore
+from pdserve.server.streaming import sse, sse_response, unless_disconnected
+from pdserve.server.structured import check_grammar, json_spec
+
+router = APIRouter()
+
+
+def store_of(request: Request) -> ResponseStore:
+    return request.app.state.responses
+
+
+# ---- the request as a chat conversation
+
+def _input_messages(items: list[InputItem] | str) -> list[dict]:
+    """`input` as chat messages in the template's shape. Consecutive function_call items join the
+    assistant message before them (an answer's text and its calls are one chat message)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict] = []
+    for item in items:
+        if item.type == "message":
+            messages.append({"role": item.role, "content": join_text(item.content)})
+        elif item.type == "function_call":
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": join_text(item.output)})
+        # reasoning items of earlier turns are not part of the prompt (chat templates drop them too)
+    return messages
+
+
+def _tool_plan(body: ResponsesRequest, parser_name: str | None) -> tool_calls.ToolPlan:
+    """The chat path's tool plan, from the Responses API's flat tool and tool_choice shapes."""
+    tools = [tool_calls.Tool(type="function", function=tool_calls.FunctionDef(
+        name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in body.tools or []]
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = tool_calls.NamedToolChoice(type="function", function=tool_calls.NamedFunction(name=choice.name))
+    return tool_calls.plan(SimpleNamespace(tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls),
+                           parser_name)
+
+
+def _format_grammar(body: ResponsesRequest) -> GrammarSpec | None:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return GrammarSpec("json_object", param="text")
+    if fmt.schema_ is None:
+        raise RequestError("text.format of type json_schema needs a schema", param="text")
+    return json_spec(fmt.schema_, "text")
+
+
+# ---- what the answer is
+
+def _answer(plan: tool_calls.ToolPlan, out: RequestOutput) -> dict:
+    """A finished answer as chat's message fields: content and tool_calls (and reasoning_content,
+    where a reasoning parser splits it off: it becomes a reasoning item)."""
+    if plan.mode == "none":
+        return {"content": out.text}
+    content, calls = tool_calls.extract(plan, out.text, out.finish_reason)
+    return {"content": content, "tool_calls": calls}
+
+
+def _delta_source(plan: tool_calls.ToolPlan):
+    """(new_text, finished, finish_reason) -> chat's stream deltas for one streamed answer, as chat
+    makes them (a reasoning parser's deltas would carry reasoning_content too)."""
+    if plan.mode == "none":
+        return lambda new_text, finished, finish_reason: [{"content": new_text}] if new_text else []
+    return tool_calls.ToolStream(plan).deltas
+
+
+def _message_deltas(message: dict) -> list[dict]:
+    deltas = [{"reasoning_content": message["reasoning_content"]}] if message.get("reasoning_content") else []
+    if message.get("content"):
+        deltas.append({"content": message["content"]})
+    return deltas + [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(message.get("tool_calls") or [])]
+
+
+class OutputBuilder:
+    """Chat-style deltas ({"reasoning_content"}, {"content"}, {"tool_calls": [...]}) -> the
+    Responses API's output items, and the stream events that build them (without their
+    sequence numbers). One item is open at a time: text of another kind, or a new call, closes it."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+        self._open: int | None = None          # output index of the item being written
+        self._calls: dict[int, int] = {}       # chat tool-call index -> output index
+
+    def feed(self, delta: dict) -> list[dict]:
+        events = []
+        if delta.get("reasoning_content"):
+            events += self._text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            events += self._text("message", delta["content"])
+        for call in delta.get("tool_calls") or []:
+            events += self._call(call)
+        return events
+
+    def finish(self, status: str = "completed") -> list[dict]:
+        """Close the open item: "completed", or "incomplete" when max_output_tokens cut it."""
+        return self._close(status)
+
+    def _add(self, item: dict) -> list[dict]:
+        events = self._close()
+        self.items.append(item)
+        self._open = len(self.items) - 1
+        return events + [{"type": "response.output_item.added", "output_index": self._open,
+                          "item": copy.deepcopy(item)}]
+
+    def _where(self) -> dict:
+        return {"item_id": self.items[self._open]["id"], "output_index": self._open}
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self._open is None or self.items[self._open]["type"] != kind:
+            if kind == "message":
+                item = {"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                        "content": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            else:
+                item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+                part = {"type": "reasoning_text", "text": ""}
+            events += self._add(item)
+            item["content"].append(part)
+            events.append({"type": "response.content_part.added", **self._where(), "content_index": 0,
+                           "part": dict(part)})
+        self.items[self._open]["content"][0]["text"] += text
+        if kind == "message":
+            return events + [{"type": "response.output_text.delta", **self._where(), "content_index": 0,
+                              "delta": text, "logprobs": []}]
+        return events + [{"type": "response.reasoning_text.delta", **self._where(), "content_index": 0, "delta": text}]
+
+    def _call(self, call: dict) -> list[dict]:
+        fn = call.get("function") or {}
+        events = []
+        if call.get("id"):   # a new call
+            events += self._add({"id": _id("fc"), "type": "function_call", "call_id": call["id"],
+                                 "name": fn.get("name", ""), "arguments": "", "status": "in_progress"})
+            self._calls[call["index"]] = self._open
+        elif self._calls.get(call["index"]) != self._open:
+            return []   # arguments of a call that is no longer open: never made by the chat streams
+        if fn.get("arguments"):
+            self.items[self._open]["arguments"] += fn["arguments"]
+            events.append({"type": "response.function_call_arguments.delta", **self._where(),
+                           "delta": fn["arguments"]})
+        return events
+
+    def _close(self, status: str = "completed") -> list[dict]:
+        if self._open is None:
+            return []
+        item, where = self.items[self._open], self._where()
+        events = []
+        if item["type"] in ("message", "reasoning"):
+            part = item["content"][0]
+            if item["type"] == "message":
+                events.append({"type": "response.output_text.done", **where, "content_index": 0,
+                               "text": part["text"], "logprobs": []})
+            else:
+                events.append({"type": "response.reasoning_text.done", **where, "content_index": 0,
+                               "text": part["text"]})
+            events.append({"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)})
+        else:
+            events.append({"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                           "arguments": item["arguments"]})
+        item["status"] = status
+        events.append({"type": "response.output_item.done", "output_index": self._open, "item": copy.deepcopy(item)})
+        self._open = None
+        return events
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _as_assistant_message(items: list[dict]) -> dict | None:
+    """The output as the chat message a next turn's template gets (reasoning left out)."""
+    text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
+    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in items if i["type"] == "function_call"]
+    if not text and not calls:
+        return None
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+def _reasoning_tokens(s: ServerState, items: list[dict]) -> int:
+    text = "".join(i["content"][0]["text"] for i in items if i["type"] == "reasoning")
+    return len(s.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+
+# ---- the endpoint
+
+class _Turn:
+    """One request's answer in the making: what the response object repeats of the request, and
+    the conversation to store when it completes."""
+
+    def __init__(self, s: ServerState, store: ResponseStore, body: ResponsesRequest, history: list[dict],
+                 prompt: list[int], params):
+        self.s, self.store, self.body, self.history, self.prompt = s, store, body, history, prompt
+        self.id = _id("resp")
+        self.created = int(time.time())
+        self.sampling = params
+
+    def response(self, status: str, items: list[dict], out: RequestOutput | None = None,
+                 error: dict | None = None) -> dict:
+        b, p = self.body, self.sampling
+        fmt = b.text.format if b.text is not None and b.text.format is not None else None
+        res = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+               "error": error,
+               "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+               "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+               "model": self.s.config.served_model_name, "output": items,
+               "parallel_tool_calls": b.parallel_tool_calls, "previous_response_id": b.previous_response_id,
+               "reasoning": None, "store": b.store, "temperature": p.temperature, "top_p": p.top_p,
+               "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+               "tool_choice": _echo_choice(b), "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+               "truncation": "disabled", "metadata": b.metadata or {}, "usage": None}
+        if out is not None:
+            n_out = len(out.token_ids)
+            res["usage"] = {"input_tokens": len(self.prompt),
+                            "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                            "output_tokens": n_out,
+                            "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(self.s, items)},
+                            "total_tokens": len(self.prompt) + n_out}
+            res["completed_at"] = int(time.time())
+            res["metrics"] = out.metrics.as_dict()   # pdserve's extension, as each chat choice's
+        return res
+
+    def finished(self, items: list[dict]) -> None:
+        """Keep the conversation for previous_response_id (or remember that it was not kept)."""
+        if not self.body.store:
+            self.store.not_stored(self.id)
+            return
+        reply = _as_assistant_message(items)
+        self.store.put(self.id, self.history + ([reply] if reply else []))
+
+
+def _echo_choice(b: ResponsesRequest):
+    if b.tool_choice is None:
+        return "auto" if b.tools else "none"
+    return b.tool_choice if isinstance(b.tool_choice, str) else b.tool_choice.model_dump()
+
+
+def _status(out: RequestOutput) -> str:
+    return "incomplete" if out.finish_reason == "length" else "completed"
+
+
+# The chat machinery names chat's fields; a refusal names the Responses API's own.
+_RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+
+
+@contextlib.contextmanager
+def _responses_names():
+    try:
+        yield
+    except RequestError as e:
+        if type(e) is not RequestError or e.param not in _RENAMED:
+            raise
+        raise RequestError(str(e).replace(e.param, _RENAMED[e.param], 1), param=_RENAMED[e.param]) from None
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    arrival = time.perf_counter()
+    with _responses_names():
+        turn, sub, plan = await _admit(body, request, arrival)
+    if body.stream:
+        return sse_response(_events(turn, sub, plan))
+    return await unless_disconnected(request, _respond(turn, sub, plan))
+
+
+async def _admit(body: ResponsesRequest, request: Request, arrival: float):
+    """Checks, the prompt and the engine request: what chat's handler does, from this body."""
+    s = get_state(request)
+    store = store_of(request)
+    s.check_model(body.model)
+    refuse_unsupported(body)
+    s.check_queue(1, "input")   # before the template and the tokenizer: a full queue is refused at once
+    if body.max_output_tokens is not None:
+        s.check_cost(1, body.max_output_tokens, None)
+    history = store.conversation(body.previous_response_id) if body.previous_response_id is not None else []
+    history += _input_messages(body.input)
+    if not history:
+        raise RequestError("input must not be empty", param="input")
+    plan = _tool_plan(body, getattr(s.config, "tool_call_parser", None))
+    # a tool_choice that forces calls makes the answer calls alone: text.format has no text to shape
+    grammar = plan.grammar if plan.grammar is not None else _format_grammar(body)
+    await check_grammar(s.engine, grammar)
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
+    extra = {"tools": plan.tools} if plan.tools else {}
+    prompt = await s.encode_chat([tool_calls.template_message(m) for m in messages], add_generation_prompt=True,
+                                 **extra)
+    if not prompt:
+        raise RequestError("input renders to an empty prompt", param="input")
+    s.check_prompt_len([prompt], param="input")
+    room = s.max_seq_len - len(prompt)   # chat's default: as much as can be served
+    max_tokens = s.request_max_tokens(body.max_output_tokens, room, 1, None, room=room)
+    kw = {k: v for k, v in (("temperature", body.temperature), ("top_p", body.top_p)) if v is not None}
+    params = s.sampling_params(1, None, max_tokens=max_tokens, final_only=not body.stream, grammar=grammar, **kw)
+    _, sub = await s.submit([prompt], params, arrival, "resp")
+    return _Turn(s, store, body, history, prompt, params[0]), sub, plan
+
+
+async def _respond(turn: _Turn, sub, plan) -> JSONResponse:
+    out = (await sub.collect())[0]
+    builder = OutputBuilder()
+    for delta in _message_deltas(_answer(plan, out)):
+        builder.feed(delta)
+    status = _status(out)
+    builder.finish(status)
+    turn.finished(builder.items)
+    return JSONResponse(turn.response(status, builder.items, out))
+
+
+def _event(event: dict, seq: int) -> str:
+    return f"event: {event['type']}\n" + sse({**event, "sequence_number": seq})
+
+
+async def _events(turn: _Turn, sub, plan):
+    """The Responses stream: response.created and .in_progress, the output items' events as the
+    answer grows, then response.completed (or .incomplete when max_output_tokens cut it). A failure
+    after the 200 was sent (a failed engine step, --request-timeout) is an `error` event and then
+    response.failed. A client that leaves aborts the request (sub.cancel)."""
+    seq = 0
+    builder, deltas = OutputBuilder(), _delta_source(plan)
+    try:
+        for kind in ("response.created", "response.in_progress"):
+            yield _event({"type": kind, "response": turn.response("in_progress", [])}, seq)
+            seq += 1
+        final = None
+        async for out in sub.outputs():
+            for delta in deltas(out.new_text, out.finished, out.finish_reason):
+                for event in builder.feed(delta):
+                    yield _event(event, seq)
+                    seq += 1
+            if out.finished:
+                final = out
+        status = _status(final)
+        for event in builder.finish(status):
+            yield _event(event, seq)
+            seq += 1
+        turn.finished(builder.items)
+        yield _event({"type": f"response.{status}", "response": turn.response(status, builder.items, final)}, seq)
+    except APIError as e:
+        code = e.code if isinstance(e.code, str) else e.type
+        yield _event({"type": "error", "code": code, "message": e.message, "param": e.param}, seq)
+        failed = turn.response("failed", builder.items, error={"code": code, "message": e.message})
+        yield _event({"type": "response.failed", "response": failed}, seq + 1)
+    finally:
+        sub.cancel()   # a no-op unless the client left early
