@@ -254,7 +254,10 @@ class _Turn:
         if out is not None:
             n_out = len(out.token_ids)
             res["usage"] = {"input_tokens": len(self.prompt),
-                            "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                            # the prefix cache keeps every prompt's blocks without being asked:
+                            # there are no explicit cache writes (OpenAI's cache_write_tokens) to count
+                            "input_tokens_details": {"cached_tokens": out.num_cached_tokens,
+                                                     "cache_write_tokens": 0},
                             "output_tokens": n_out,
                             "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(self.s, items)},
                             "total_tokens": len(self.prompt) + n_out}

@@ -53,9 +53,12 @@ def message_text(r) -> str:
     return part.text
 
 
+BRIEF = "Be brief. " * 8   # long enough for whole KV blocks: a repeat is served from the prefix cache
+
+
 def test_a_plain_answer_is_chats_answer(client, tok):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    r = client.responses.create(model="tiny-tools", instructions="Be brief.", input="Hello there",
+    messages = [{"role": "system", "content": BRIEF}, {"role": "user", "content": "Hello there"}]
+    r = client.responses.create(model="tiny-tools", instructions=BRIEF, input="Hello there",
                                 max_output_tokens=12, temperature=0, metadata={"run": "1"})
     chat = client.chat.completions.create(model="tiny-tools", messages=messages, max_completion_tokens=12,
                                           temperature=0)
@@ -72,12 +75,14 @@ def test_a_plain_answer_is_chats_answer(client, tok):
             ("incomplete", "max_output_tokens", "incomplete")
     else:
         assert (r.status, r.output[0].status) == ("completed", "completed")
-    assert (r.instructions, r.metadata, r.max_output_tokens, r.temperature) == ("Be brief.", {"run": "1"}, 12, 0)
+    assert (r.instructions, r.metadata, r.max_output_tokens, r.temperature) == (BRIEF, {"run": "1"}, 12, 0)
     # items as input: the same prompt as the string
-    items = client.responses.create(model="tiny-tools", instructions="Be brief.", max_output_tokens=12,
+    items = client.responses.create(model="tiny-tools", instructions=BRIEF, max_output_tokens=12,
                                     temperature=0, input=[{"role": "user", "content": [
                                         {"type": "input_text", "text": "Hello there"}]}])
     assert items.output_text == r.output_text and items.usage.input_tokens == r.usage.input_tokens
+    # the prompt was seen before: cached tokens as chat counts them
+    assert items.usage.input_tokens_details.cached_tokens == chat.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def collect(stream) -> list:
@@ -246,3 +251,25 @@ def test_a_client_that_leaves_a_stream_frees_its_request(srv):
         assert srv.metrics()["pdserve:kv_cache_usage_perc"] > 0   # mid-stream
     srv.wait_for(lambda m: aborts(m) == before + 1 and m["pdserve:kv_cache_usage_perc"] == 0
                  and m["pdserve:num_requests_running"] == 0, timeout=5)
+
+
+def test_raw_bodies_are_what_the_openai_types_require(srv):
+    """Validated (not just constructed, as the client does) by the openai package's own models; each
+    server-sent event is named by its type, and the stream ends with response.completed/.incomplete."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+    body = {"input": "Hi", "max_output_tokens": 5, "tools": TOOLS, "tool_choice": "required",
+            "text": {"format": {"type": "json_object"}}}
+    r = httpx.post(srv.url + "/v1/responses", json=body)
+    assert r.status_code == 200
+    parsed = Response.model_validate(r.json())
+    assert parsed.usage.input_tokens_details.cached_tokens >= 0
+    with httpx.stream("POST", srv.url + "/v1/responses", json={**body, "stream": True}) as s:
+        assert s.headers["content-type"].startswith("text/event-stream")
+        frames = [f for f in s.read().decode().split("\n\n") if f]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for seq, frame in enumerate(frames):
+        event_line, data_line = frame.split("\n")
+        event = adapter.validate_json(data_line.removeprefix("data: "))
+        assert event_line == f"event: {event.type}" and event.sequence_number == seq
+    assert event.type in ("response.completed", "response.incomplete")
