@@ -284,6 +284,11 @@ def _status(out: RequestOutput) -> str:
     return "incomplete" if out.finish_reason == "length" else "completed"
 
 
+def _last_item_status(plan: tool_calls.ToolPlan, status: str) -> str:
+    # "required" gives only the calls that were whole when the length cut the answer
+    return "completed" if plan.mode == "required" else status
+
+
 # The chat machinery names chat's fields; a refusal names the Responses API's own.
 _RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
 
@@ -346,7 +351,7 @@ async def _respond(turn: _Turn, sub, plan) -> JSONResponse:
     for delta in _message_deltas(_answer(plan, out)):
         builder.feed(delta)
     status = _status(out)
-    builder.finish(status)
+    builder.finish(_last_item_status(plan, status))
     turn.finished(builder.items)
     return JSONResponse(turn.response(status, builder.items, out))
 
@@ -375,7 +380,7 @@ async def _events(turn: _Turn, sub, plan):
             if out.finished:
                 final = out
         status = _status(final)
-        for event in builder.finish(status):
+        for event in builder.finish(_last_item_status(plan, status)):
             yield _event(event, seq)
             seq += 1
         turn.finished(builder.items)

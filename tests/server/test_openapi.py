@@ -30,6 +30,10 @@ def test_the_schema_declares_400_in_openai_format_and_no_422():
                 assert {"413", "415", "401"} <= codes, path
     assert "401" not in schema["paths"]["/health"]["get"]["responses"]   # open without the key
     assert "text/event-stream" in schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    responses = schema["paths"]["/v1/responses"]["post"]   # the Responses API: its body, its stream, its statuses
+    assert responses["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ResponsesRequest")
+    assert "text/event-stream" in responses["responses"]["200"]["content"]
+    assert {"404", "503", "504"} <= set(responses["responses"])
     prompt = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
     assert len(prompt["anyOf"]) == 4   # the shapes the validator accepts, not "anything"
     # the ranges the server checks, with the launch caps (here the defaults)

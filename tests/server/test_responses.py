@@ -273,3 +273,17 @@ def test_raw_bodies_are_what_the_openai_types_require(srv):
         event = adapter.validate_json(data_line.removeprefix("data: "))
         assert event_line == f"event: {event.type}" and event.sequence_number == seq
     assert event.type in ("response.completed", "response.incomplete")
+
+
+def test_required_cut_by_the_length_keeps_only_whole_calls(client):
+    kw = dict(model="tiny-tools", input="Weather?", tools=TOOLS, tool_choice="required", temperature=0)
+    for max_tokens in (3, 25, 40):
+        r = client.responses.create(**kw, max_output_tokens=max_tokens)
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        for item in r.output:   # the calls the length did not cut, each whole
+            check_call(item)
+        events = collect(client.responses.create(**kw, max_output_tokens=max_tokens, stream=True))
+        final = events[-1].response
+        assert events[-1].type == "response.incomplete"
+        assert [(i.name, i.arguments, i.status) for i in final.output] == \
+            [(i.name, i.arguments, i.status) for i in r.output]   # greedy: the same calls, streamed
