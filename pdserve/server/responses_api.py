@@ -386,9 +386,12 @@ async def _events(turn: _Turn, sub, plan):
         turn.finished(builder.items)
         yield _event({"type": f"response.{status}", "response": turn.response(status, builder.items, final)}, seq)
     except APIError as e:
-        code = e.code if isinstance(e.code, str) else e.type
+        code = e.code if isinstance(e.code, str) else e.type   # pdserve's: request_timeout, engine_error, ...
         yield _event({"type": "error", "code": code, "message": e.message, "param": e.param}, seq)
-        failed = turn.response("failed", builder.items, error={"code": code, "message": e.message})
-        yield _event({"type": "response.failed", "response": failed}, seq + 1)
+        # a response's error code is one of OpenAI's few; pdserve's own goes in its type
+        error = {"code": "server_error" if e.status >= 500 else "invalid_prompt", "message": e.message,
+                 "param": e.param, "type": code}
+        yield _event({"type": "response.failed", "response": turn.response("failed", builder.items, error=error)},
+                     seq + 1)
     finally:
         sub.cancel()   # a no-op unless the client left early

@@ -125,3 +125,55 @@ def test_the_store_keeps_the_last_n_and_says_why_it_has_no_more():
     none.put("x", [])
     with pytest.raises(RequestError, match="stores no responses"):
         none.conversation("x")
+
+
+# ---- on the fake engine (tests/server/fake_engine.py), whose k-th token is chr(ord("a") + k % 26)
+# and whose template is one "role: content" line per message
+
+def sse_events(text: str) -> list[dict]:
+    import json
+    frames = [f.split("\n") for f in text.split("\n\n") if f]
+    assert all(e == f"event: {json.loads(d[6:])['type']}" for e, d in frames)
+    return [json.loads(d[6:]) for _, d in frames]
+
+
+def test_on_the_fake_engine_the_text_and_prompt_are_exact():
+    import httpx
+    from tests.server.fake_engine import FakeEngine
+    from tests.server.inprocess import serve, wait_idle
+    with serve(FakeEngine(max_model_len=256)) as url:
+        body = {"instructions": "Be kind.", "input": "Hi", "max_output_tokens": 5}
+        r = httpx.post(url + "/v1/responses", json=body).json()
+        assert r["output"][0]["content"][0]["text"] == "abcde" and r["status"] == "incomplete"
+        prompt = "system: Be kind.\nuser: Hi\nassistant:"
+        assert r["usage"]["input_tokens"] == len(prompt) and r["usage"]["output_tokens"] == 5
+        events = sse_events(httpx.post(url + "/v1/responses", json={**body, "stream": True}).text)
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "abcde"
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        nxt = httpx.post(url + "/v1/responses", json={"previous_response_id": r["id"], "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "More"}]}], "max_output_tokens": 1}).json()
+        assert nxt["usage"]["input_tokens"] == len("user: Hi\nassistant: abcde\nuser: More\nassistant:")
+        wait_idle(url)
+
+
+def test_a_stream_that_fails_ends_with_error_and_response_failed():
+    import httpx
+    from tests.server.fake_engine import FakeEngine
+    from tests.server.inprocess import serve
+    with serve(FakeEngine(max_model_len=256, step_time=0.05), request_timeout=0.3) as url:
+        events = sse_events(httpx.post(url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 100,
+                                                                   "stream": True}, timeout=30).text)
+        assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-2]["code"] == "request_timeout" and events[-1]["response"]["status"] == "failed"
+        assert events[-1]["response"]["error"]["code"] == "server_error"
+        assert events[-1]["response"]["error"]["type"] == "request_timeout"
+        assert events[-1]["response"]["output"][0]["content"][0]["text"].startswith("ab")   # what came before
+        for seq, e in enumerate(events):
+            EVENT.validate_python(e)
+            assert e["sequence_number"] == seq
+        r = httpx.post(url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 100}, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+        # a failed response is not stored
+        rid = events[0]["response"]["id"]
+        r = httpx.post(url + "/v1/responses", json={"input": "Hi", "previous_response_id": rid})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
