@@ -343,14 +343,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     prompt = await s.encode_chat(messages, add_generation_prompt=True, **extra)
     if not prompt:
         raise RequestError("messages render to an empty prompt", param="messages")
-    # with --reasoning-parser: where the prompt leaves the model (thinking on, off, already open)
-    think = None if s.reasoning is None else await s.offload(
-        lambda: reasoning.chat_prompt_state(s.reasoning, s.tokenizer, messages, **extra))
-    if think is not None and grammar is not None:   # the grammar constrains the answer, not the thinking
-        after = s.reasoning.grammar_after_token(think)
-        extra_params = {} if after is None else {"grammar_after_token": after}
-    else:
-        extra_params = {}
+    think, extra_params = await reasoning_start(s, messages, extra, grammar)
     s.check_prompt_len([prompt], param="messages")
     # OpenAI's chat default: as many as can be served, within the context and the KV cache (or
     # max_new_tokens), and --max-request-cost with what prompt logprobs take of it. If the prompt
@@ -368,6 +361,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                          think))
     return await unless_disconnected(
         request, _chat_response(s, body, sub, _head(request_id, "chat.completion", s), prompt, tools, think))
+
+
+async def reasoning_start(s: ServerState, messages: list[dict], template_kwargs: dict, grammar) -> tuple[str | None, dict]:
+    """With --reasoning-parser: where the prompt leaves the model (thinking on, off, already open;
+    None without a parser), and the SamplingParams that start the grammar after the thinking."""
+    think = None if s.reasoning is None else await s.offload(
+        lambda: reasoning.chat_prompt_state(s.reasoning, s.tokenizer, messages, **template_kwargs))
+    if think is not None and grammar is not None:   # the grammar constrains the answer, not the thinking
+        after = s.reasoning.grammar_after_token(think)
+        return think, {} if after is None else {"grammar_after_token": after}
+    return think, {}
 
 
 def _tool_finish(ending: dict, has_calls: bool) -> dict:

@@ -10,9 +10,9 @@ the way chat parses it. Only the shape of the result differs: chat's message fie
 (OutputBuilder): a `reasoning` item, a `message` with `output_text`, `function_call` items,
 and while streaming the Responses events with their sequence numbers.
 
-Reasoning: OutputBuilder turns `reasoning_content` (in a message or a delta) into a reasoning
-item. `_answer` and `_delta_source` are where a reasoning parser plugs in: the chat path's
-split of a finished answer, and of a streamed one, into reasoning and answer.
+Reasoning (--reasoning-parser): the chat path's split (pdserve/server/reasoning.py) of a finished
+answer (`_answer`) and of a streamed one (`_delta_source`) gives `reasoning_content`, which
+OutputBuilder makes a reasoning item; tool calls and text.format apply to the answer after it.
 """
 import contextlib
 import copy
@@ -26,9 +26,10 @@ from fastapi.responses import JSONResponse
 from pdserve.engine.grammar import GrammarSpec
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import RequestError
-from pdserve.server import tool_calls
+from pdserve.server import reasoning, tool_calls
 from pdserve.server.admission import ServerState, get_state
 from pdserve.server.errors import APIError
+from pdserve.server.openai_api import reasoning_start
 from pdserve.server.responses_protocol import ResponsesRequest, InputItem, join_text, refuse_unsupported
 from pdserve.server.responses_store import ResponseStore
 from pdserve.server.streaming import sse, sse_response, unless_disconnected
@@ -45,23 +46,38 @@ def store_of(request: Request) -> ResponseStore:
 
 def _input_messages(items: list[InputItem] | str) -> list[dict]:
     """`input` as chat messages in the template's shape. Consecutive function_call items join the
-    assistant message before them (an answer's text and its calls are one chat message)."""
+    assistant message before them (an answer's text and its calls are one chat message); a
+    reasoning item's text is the next assistant message's reasoning_content (under both names, as
+    chat's messages give it to the template, which decides whether to show it)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
+    thought = None   # a reasoning item's text, waiting for its assistant message
+
+    def assistant(message: dict) -> dict:
+        nonlocal thought
+        if thought is not None:
+            message.update(reasoning.message_fields(thought))
+            thought = None
+        return message
+
     for item in items:
         if item.type == "message":
-            messages.append({"role": item.role, "content": join_text(item.content)})
+            message = {"role": item.role, "content": join_text(item.content)}
+            messages.append(assistant(message) if item.role == "assistant" else message)
         elif item.type == "function_call":
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and thought is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
         elif item.type == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": join_text(item.output)})
-        # reasoning items of earlier turns are not part of the prompt (chat templates drop them too)
+        else:   # reasoning: its text, else its summary
+            text = join_text(item.content) or join_text(item.summary)
+            if text:
+                thought = text if thought is None else thought + "\n" + text
     return messages
 
 
@@ -89,21 +105,35 @@ def _format_grammar(body: ResponsesRequest) -> GrammarSpec | None:
 
 # ---- what the answer is
 
-def _answer(plan: tool_calls.ToolPlan, out: RequestOutput) -> dict:
-    """A finished answer as chat's message fields: content and tool_calls (and reasoning_content,
-    where a reasoning parser splits it off: it becomes a reasoning item)."""
-    if plan.mode == "none":
-        return {"content": out.text}
-    content, calls = tool_calls.extract(plan, out.text, out.finish_reason)
-    return {"content": content, "tool_calls": calls}
+def _answer(s: ServerState, plan: tool_calls.ToolPlan, think: str | None, out: RequestOutput) -> dict:
+    """A finished answer as chat's message fields: reasoning_content (with --reasoning-parser),
+    content and tool_calls, split and parsed as chat does."""
+    text, thought = out.text, None
+    if think is not None:   # the answer is what follows the thinking
+        thought, text = s.reasoning.split(out.text, think)
+    if plan.mode == "none" or text is None:
+        return {"reasoning_content": thought, "content": text}
+    content, calls = tool_calls.extract(plan, text, out.finish_reason)
+    return {"reasoning_content": thought, "content": content, "tool_calls": calls}
 
 
-def _delta_source(plan: tool_calls.ToolPlan):
+def _delta_source(s: ServerState, plan: tool_calls.ToolPlan, think: str | None):
     """(new_text, finished, finish_reason) -> chat's stream deltas for one streamed answer, as chat
-    makes them (a reasoning parser's deltas would carry reasoning_content too)."""
-    if plan.mode == "none":
-        return lambda new_text, finished, finish_reason: [{"content": new_text}] if new_text else []
-    return tool_calls.ToolStream(plan).deltas
+    makes them: the reasoning first, then the answer's content and tool calls."""
+    calls = tool_calls.ToolStream(plan) if plan.mode != "none" else None
+    thinking = s.reasoning.stream(think) if think is not None else None
+
+    def deltas(new_text: str, finished: bool, finish_reason: str | None) -> list[dict]:
+        out, text = [], new_text
+        if thinking is not None:
+            d = thinking.feed(text, finished)
+            if d.reasoning:
+                out.append({"reasoning_content": d.reasoning})
+            text = d.content
+        if calls is None:
+            return out + ([{"content": text}] if text else [])
+        return out + (calls.deltas(text, finished, finish_reason) if text or finished else [])
+    return deltas
 
 
 def _message_deltas(message: dict) -> list[dict]:
@@ -210,13 +240,16 @@ def _id(prefix: str) -> str:
 
 
 def _as_assistant_message(items: list[dict]) -> dict | None:
-    """The output as the chat message a next turn's template gets (reasoning left out)."""
+    """The output as the chat message a next turn's template gets: its text, calls and reasoning
+    (which the template shows or drops, as chat's reasoning_content)."""
     text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
     calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
              for i in items if i["type"] == "function_call"]
-    if not text and not calls:
+    thoughts = [i["content"][0]["text"] for i in items if i["type"] == "reasoning"]
+    if not text and not calls and not thoughts:
         return None
-    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {}),
+            **(reasoning.message_fields("\n".join(thoughts)) if thoughts else {})}
 
 
 def _reasoning_tokens(s: ServerState, items: list[dict]) -> int:
@@ -231,8 +264,9 @@ class _Turn:
     the conversation to store when it completes."""
 
     def __init__(self, s: ServerState, store: ResponseStore, body: ResponsesRequest, history: list[dict],
-                 prompt: list[int], params):
+                 prompt: list[int], params, think: str | None):
         self.s, self.store, self.body, self.history, self.prompt = s, store, body, history, prompt
+        self.think = think   # where the prompt leaves a reasoning model (reasoning.py); None: no parser
         self.id = _id("resp")
         self.created = int(time.time())
         self.sampling = params
@@ -284,9 +318,9 @@ def _status(out: RequestOutput) -> str:
     return "incomplete" if out.finish_reason == "length" else "completed"
 
 
-def _last_item_status(plan: tool_calls.ToolPlan, status: str) -> str:
+def _last_item_status(plan: tool_calls.ToolPlan, items: list[dict], status: str) -> str:
     # "required" gives only the calls that were whole when the length cut the answer
-    return "completed" if plan.mode == "required" else status
+    return "completed" if plan.mode == "required" and items and items[-1]["type"] == "function_call" else status
 
 
 # The chat machinery names chat's fields; a refusal names the Responses API's own.
@@ -331,27 +365,31 @@ async def _admit(body: ResponsesRequest, request: Request, arrival: float):
     grammar = plan.grammar if plan.grammar is not None else _format_grammar(body)
     await check_grammar(s.engine, grammar)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
-    extra = {"tools": plan.tools} if plan.tools else {}
-    prompt = await s.encode_chat([tool_calls.template_message(m) for m in messages], add_generation_prompt=True,
-                                 **extra)
+    messages = [tool_calls.template_message(m) for m in messages]
+    extra = reasoning.check_template_kwargs(body.chat_template_kwargs)
+    if plan.tools:
+        extra["tools"] = plan.tools
+    prompt = await s.encode_chat(messages, add_generation_prompt=True, **extra)
     if not prompt:
         raise RequestError("input renders to an empty prompt", param="input")
+    think, extra_params = await reasoning_start(s, messages, extra, grammar)
     s.check_prompt_len([prompt], param="input")
     room = s.max_seq_len - len(prompt)   # chat's default: as much as can be served
     max_tokens = s.request_max_tokens(body.max_output_tokens, room, 1, None, room=room)
     kw = {k: v for k, v in (("temperature", body.temperature), ("top_p", body.top_p)) if v is not None}
-    params = s.sampling_params(1, None, max_tokens=max_tokens, final_only=not body.stream, grammar=grammar, **kw)
+    params = s.sampling_params(1, None, max_tokens=max_tokens, final_only=not body.stream, grammar=grammar,
+                               **extra_params, **kw)
     _, sub = await s.submit([prompt], params, arrival, "resp")
-    return _Turn(s, store, body, history, prompt, params[0]), sub, plan
+    return _Turn(s, store, body, history, prompt, params[0], think), sub, plan
 
 
 async def _respond(turn: _Turn, sub, plan) -> JSONResponse:
     out = (await sub.collect())[0]
     builder = OutputBuilder()
-    for delta in _message_deltas(_answer(plan, out)):
+    for delta in _message_deltas(_answer(turn.s, plan, turn.think, out)):
         builder.feed(delta)
     status = _status(out)
-    builder.finish(_last_item_status(plan, status))
+    builder.finish(_last_item_status(plan, builder.items, status))
     turn.finished(builder.items)
     return JSONResponse(turn.response(status, builder.items, out))
 
@@ -366,7 +404,7 @@ async def _events(turn: _Turn, sub, plan):
     after the 200 was sent (a failed engine step, --request-timeout) is an `error` event and then
     response.failed. A client that leaves aborts the request (sub.cancel)."""
     seq = 0
-    builder, deltas = OutputBuilder(), _delta_source(plan)
+    builder, deltas = OutputBuilder(), _delta_source(turn.s, plan, turn.think)
     try:
         for kind in ("response.created", "response.in_progress"):
             yield _event({"type": kind, "response": turn.response("in_progress", [])}, seq)
@@ -380,7 +418,7 @@ async def _events(turn: _Turn, sub, plan):
             if out.finished:
                 final = out
         status = _status(final)
-        for event in builder.finish(_last_item_status(plan, status)):
+        for event in builder.finish(_last_item_status(plan, builder.items, status)):
             yield _event(event, seq)
             seq += 1
         turn.finished(builder.items)

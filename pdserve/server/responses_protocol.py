@@ -17,16 +17,22 @@ class _Strict(BaseModel):
 
 
 class ContentPart(_Strict):
-    """A text part of a message: input_text (user, system, developer) or output_text (an assistant's
-    earlier answer, as the Responses API returned it). Images, files and audio are not supported."""
-    type: Literal["input_text", "output_text"]
+    """A text part: input_text (user, system, developer) or output_text (an assistant's earlier
+    answer, as the Responses API returned it) in a message or a function_call_output; reasoning_text
+    and summary_text in an earlier reasoning item. Images, files and audio are not supported."""
+    type: Literal["input_text", "output_text", "reasoning_text", "summary_text"]
     text: str
+
+
+# the part types each place takes
+_PARTS = {"content": ("input_text", "output_text"), "output": ("input_text", "output_text"),
+          "reasoning": ("reasoning_text",), "summary": ("summary_text",)}
 
 
 class InputItem(_Strict):
     """One item of `input`: a message (the default type, as in OpenAI's "easy" input messages), an
-    earlier turn's function_call or its function_call_output, or an earlier reasoning item (accepted
-    and left out of the prompt, as chat templates drop earlier reasoning)."""
+    earlier turn's function_call or its function_call_output, or an earlier reasoning item (its
+    text goes back to the template as the next assistant message's reasoning_content, as chat's)."""
     type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["system", "developer", "user", "assistant"] | None = None
     content: list[ContentPart] | str | None = None
@@ -34,6 +40,7 @@ class InputItem(_Strict):
     name: str | None = None
     arguments: str | None = None
     output: list[ContentPart] | str | None = None
+    summary: list[ContentPart] | None = None   # a reasoning item's
 
     @model_validator(mode="after")
     def _fields_of_its_type(self):
@@ -42,6 +49,13 @@ class InputItem(_Strict):
         missing = [f for f in need if getattr(self, f) is None]
         if missing:
             raise ValueError(f"an item of type {self.type} needs {', '.join(missing)}")
+        for field in ("content", "output", "summary"):
+            value = getattr(self, field)
+            allowed = _PARTS["reasoning" if field == "content" and self.type == "reasoning" else field]
+            for part in value if isinstance(value, list) else []:
+                if part.type not in allowed:
+                    raise ValueError(f"the {field} of an item of type {self.type} takes parts of type "
+                                     f"{' or '.join(allowed)}, not {part.type}")
         return self
 
 
@@ -103,6 +117,8 @@ class ResponsesRequest(_Strict):
     top_logprobs: StrictInt | None = None
     max_tool_calls: StrictInt | None = None
     context_management: Any = None
+    # vLLM's extension, as chat's: variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 UNSUPPORTED = ("reasoning", "conversation", "prompt", "top_logprobs", "max_tool_calls", "context_management")

@@ -15,10 +15,10 @@ import httpx
 import pytest
 from pydantic import BaseModel, Field
 
-agents = pytest.importorskip("agents")
-from openai import AsyncOpenAI  # noqa: E402
+import agents   # openai-agents, pinned in the test extra
+from openai import AsyncOpenAI
 
-from tests.server.test_tool_calls import TEMPLATE  # noqa: E402
+from tests.server.test_tool_calls import TEMPLATE
 
 agents.set_tracing_disabled(True)   # no network here: the SDK would export traces to OpenAI
 

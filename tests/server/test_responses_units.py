@@ -56,10 +56,11 @@ def test_reasoning_then_text_then_calls_become_three_kinds_of_items():
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2, 3]
     # an item as added is a snapshot: it is not changed by what comes after
     assert events[0]["item"]["content"] == [] and events[0]["item"]["status"] == "in_progress"
-    # the next turn's template gets the answer's text and calls, not its reasoning
+    # the next turn's template gets the answer's text, calls and reasoning (as chat's reasoning_content)
     assert _as_assistant_message(b.items) == {"role": "assistant", "content": "Sure.", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
-        {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}
+        {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}],
+        "reasoning_content": "Let me think.", "reasoning": "Let me think."}
 
 
 def test_a_finished_message_with_reasoning_gives_the_same_items_as_its_stream():
@@ -95,7 +96,11 @@ def test_input_items_become_chat_messages():
         {"type": "function_call_output", "call_id": "c1", "output": "one"},
         {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
         {"type": "reasoning", "id": "rs_1", "summary": []},
-        {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"}]})
+        {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Hmm."}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Mm."}]},
+        {"type": "function_call", "call_id": "c4", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c5", "name": "f", "arguments": "{}"}]})
     assert _input_messages(body.input) == [
         {"role": "developer", "content": "Be terse."},
         {"role": "user", "content": "a\nb"},
@@ -105,7 +110,15 @@ def test_input_items_become_chat_messages():
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
         {"role": "tool", "tool_call_id": "c2", "content": "two"},
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+            {"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "assistant", "content": "", "reasoning_content": "Hmm.\nMm.", "reasoning": "Hmm.\nMm.",
+         "tool_calls": [{"id": "c4", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                        {"id": "c5", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    # parts of the wrong kind for their place are refused
+    for bad in ({"role": "user", "content": [{"type": "reasoning_text", "text": "x"}]},
+                {"type": "reasoning", "content": [{"type": "input_text", "text": "x"}]}):
+        with pytest.raises(ValueError, match="takes parts of type"):
+            ResponsesRequest.model_validate({"input": [bad]})
     assert _input_messages("Hi") == [{"role": "user", "content": "Hi"}]
 
 
