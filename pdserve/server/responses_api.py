@@ -7,17 +7,15 @@ rendered by the chat template with its function tools; `tool_choice` and `text.f
 the same tool plan (tool_calls.py) and grammar (structured.py) as chat's; the answer is parsed
 the way chat parses it. Only the shape of the result differs: chat's message fields
 (`reasoning_content`, `content`, `tool_calls`), or its stream's deltas, become output items
-(OutputBuilder): a `reasoning` item, a `message` with `output_text`, `function_call` items,
-and while streaming the Responses events with their sequence numbers.
+(responses_output.OutputBuilder): a `reasoning` item, a `message` with `output_text`,
+`function_call` items, and while streaming the Responses events, numbered here.
 
 Reasoning (--reasoning-parser): the chat path's split (pdserve/server/reasoning.py) of a finished
 answer (`_answer`) and of a streamed one (`_delta_source`) gives `reasoning_content`, which
 OutputBuilder makes a reasoning item; tool calls and text.format apply to the answer after it.
 """
 import contextlib
-import copy
 import time
-import uuid
 from types import SimpleNamespace
 
 from fastapi import APIRouter, Request
@@ -30,7 +28,8 @@ from pdserve.server import reasoning, tool_calls
 from pdserve.server.admission import ServerState, get_state
 from pdserve.server.errors import APIError
 from pdserve.server.openai_api import reasoning_start
-from pdserve.server.responses_protocol import ResponsesRequest, InputItem, join_text, refuse_unsupported
+from pdserve.server.responses_output import OutputBuilder, message_deltas, new_id
+from pdserve.server.responses_protocol import InputItem, ResponsesRequest, join_text, refuse_unsupported
 from pdserve.server.responses_store import ResponseStore
 from pdserve.server.streaming import sse, sse_response, unless_disconnected
 from pdserve.server.structured import check_grammar, json_spec
@@ -136,109 +135,6 @@ def _delta_source(s: ServerState, plan: tool_calls.ToolPlan, think: str | None):
     return deltas
 
 
-def _message_deltas(message: dict) -> list[dict]:
-    deltas = [{"reasoning_content": message["reasoning_content"]}] if message.get("reasoning_content") else []
-    if message.get("content"):
-        deltas.append({"content": message["content"]})
-    return deltas + [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(message.get("tool_calls") or [])]
-
-
-class OutputBuilder:
-    """Chat-style deltas ({"reasoning_content"}, {"content"}, {"tool_calls": [...]}) -> the
-    Responses API's output items, and the stream events that build them (without their
-    sequence numbers). One item is open at a time: text of another kind, or a new call, closes it."""
-
-    def __init__(self):
-        self.items: list[dict] = []
-        self._open: int | None = None          # output index of the item being written
-        self._calls: dict[int, int] = {}       # chat tool-call index -> output index
-
-    def feed(self, delta: dict) -> list[dict]:
-        events = []
-        if delta.get("reasoning_content"):
-            events += self._text("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._text("message", delta["content"])
-        for call in delta.get("tool_calls") or []:
-            events += self._call(call)
-        return events
-
-    def finish(self, status: str = "completed") -> list[dict]:
-        """Close the open item: "completed", or "incomplete" when max_output_tokens cut it."""
-        return self._close(status)
-
-    def _add(self, item: dict) -> list[dict]:
-        events = self._close()
-        self.items.append(item)
-        self._open = len(self.items) - 1
-        return events + [{"type": "response.output_item.added", "output_index": self._open,
-                          "item": copy.deepcopy(item)}]
-
-    def _where(self) -> dict:
-        return {"item_id": self.items[self._open]["id"], "output_index": self._open}
-
-    def _text(self, kind: str, text: str) -> list[dict]:
-        events = []
-        if self._open is None or self.items[self._open]["type"] != kind:
-            if kind == "message":
-                item = {"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
-                        "content": []}
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            else:
-                item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
-                part = {"type": "reasoning_text", "text": ""}
-            events += self._add(item)
-            item["content"].append(part)
-            events.append({"type": "response.content_part.added", **self._where(), "content_index": 0,
-                           "part": dict(part)})
-        self.items[self._open]["content"][0]["text"] += text
-        if kind == "message":
-            return events + [{"type": "response.output_text.delta", **self._where(), "content_index": 0,
-                              "delta": text, "logprobs": []}]
-        return events + [{"type": "response.reasoning_text.delta", **self._where(), "content_index": 0, "delta": text}]
-
-    def _call(self, call: dict) -> list[dict]:
-        fn = call.get("function") or {}
-        events = []
-        if call.get("id"):   # a new call
-            events += self._add({"id": _id("fc"), "type": "function_call", "call_id": call["id"],
-                                 "name": fn.get("name", ""), "arguments": "", "status": "in_progress"})
-            self._calls[call["index"]] = self._open
-        elif self._calls.get(call["index"]) != self._open:
-            return []   # arguments of a call that is no longer open: never made by the chat streams
-        if fn.get("arguments"):
-            self.items[self._open]["arguments"] += fn["arguments"]
-            events.append({"type": "response.function_call_arguments.delta", **self._where(),
-                           "delta": fn["arguments"]})
-        return events
-
-    def _close(self, status: str = "completed") -> list[dict]:
-        if self._open is None:
-            return []
-        item, where = self.items[self._open], self._where()
-        events = []
-        if item["type"] in ("message", "reasoning"):
-            part = item["content"][0]
-            if item["type"] == "message":
-                events.append({"type": "response.output_text.done", **where, "content_index": 0,
-                               "text": part["text"], "logprobs": []})
-            else:
-                events.append({"type": "response.reasoning_text.done", **where, "content_index": 0,
-                               "text": part["text"]})
-            events.append({"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)})
-        else:
-            events.append({"type": "response.function_call_arguments.done", **where, "name": item["name"],
-                           "arguments": item["arguments"]})
-        item["status"] = status
-        events.append({"type": "response.output_item.done", "output_index": self._open, "item": copy.deepcopy(item)})
-        self._open = None
-        return events
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
 def _as_assistant_message(items: list[dict]) -> dict | None:
     """The output as the chat message a next turn's template gets: its text, calls and reasoning
     (which the template shows or drops, as chat's reasoning_content)."""
@@ -267,7 +163,7 @@ class _Turn:
                  prompt: list[int], params, think: str | None):
         self.s, self.store, self.body, self.history, self.prompt = s, store, body, history, prompt
         self.think = think   # where the prompt leaves a reasoning model (reasoning.py); None: no parser
-        self.id = _id("resp")
+        self.id = new_id("resp")
         self.created = int(time.time())
         self.sampling = params
 
@@ -386,7 +282,7 @@ async def _admit(body: ResponsesRequest, request: Request, arrival: float):
 async def _respond(turn: _Turn, sub, plan) -> JSONResponse:
     out = (await sub.collect())[0]
     builder = OutputBuilder()
-    for delta in _message_deltas(_answer(turn.s, plan, turn.think, out)):
+    for delta in message_deltas(_answer(turn.s, plan, turn.think, out)):
         builder.feed(delta)
     status = _status(out)
     builder.finish(_last_item_status(plan, builder.items, status))

@@ -8,7 +8,8 @@ from pydantic import TypeAdapter
 from openai.types.responses import ResponseOutputItem, ResponseStreamEvent
 
 from pdserve.errors import RequestError
-from pdserve.server.responses_api import OutputBuilder, _as_assistant_message, _input_messages, _message_deltas
+from pdserve.server.responses_api import _as_assistant_message, _input_messages
+from pdserve.server.responses_output import OutputBuilder, message_deltas
 from pdserve.server.responses_protocol import ResponsesRequest
 from pdserve.server.responses_store import ResponseStore
 
@@ -67,7 +68,7 @@ def test_a_finished_message_with_reasoning_gives_the_same_items_as_its_stream():
     message = {"reasoning_content": "Hmm.", "content": "Hi", "tool_calls": [
         {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     whole, streamed = OutputBuilder(), OutputBuilder()
-    run(whole, _message_deltas(message))
+    run(whole, message_deltas(message))
     run(streamed, [{"reasoning_content": "Hm"}, {"reasoning_content": "m."}, {"content": "H"}, {"content": "i"},
                    {"tool_calls": [{"index": 0, "id": "call_9", "function": {"name": "f", "arguments": "{}"}}]}])
     def strip(items):
