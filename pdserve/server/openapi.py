@@ -49,6 +49,7 @@ def ranges(state) -> dict[str, dict]:
     max_tokens = {"minimum": 1, "maximum": min(c.max_tokens_cap or state.max_model_len, state.max_model_len - 1)}
     return {
         "n": {"minimum": 1, "maximum": c.max_n}, "max_tokens": max_tokens, "max_completion_tokens": max_tokens,
+        "max_output_tokens": max_tokens,
         "temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
         "min_p": {"minimum": 0, "maximum": 1}, "presence_penalty": {"minimum": -2, "maximum": 2},
         "frequency_penalty": {"minimum": -2, "maximum": 2}, "repetition_penalty": {"exclusiveMinimum": 0},

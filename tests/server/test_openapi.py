@@ -34,6 +34,8 @@ def test_the_schema_declares_400_in_openai_format_and_no_422():
     assert responses["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ResponsesRequest")
     assert "text/event-stream" in responses["responses"]["200"]["content"]
     assert {"404", "503", "504"} <= set(responses["responses"])
+    assert schema["components"]["schemas"]["ResponsesRequest"]["properties"]["max_output_tokens"]["anyOf"][0] == \
+        {"type": "integer", "minimum": 1, "maximum": 255}
     prompt = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
     assert len(prompt["anyOf"]) == 4   # the shapes the validator accepts, not "anything"
     # the ranges the server checks, with the launch caps (here the defaults)
