@@ -5,6 +5,7 @@ Served: AWQ (GEMM packing, zero points), GPTQ (4/8-bit, any group size, sym or n
 checkpoint format v1 or v2), compressed-tensors (pack-quantized / int-quantized / naive-quantized
 integer weights with no activation quantization, float-quantized FP8 weights served dense).
 Everything is checked here, before a weight is read."""
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -154,6 +155,14 @@ def _compressed(qc: dict, file: str, where: str) -> HubQuantization:
     except ImportError:
         raise CheckpointError(f"{where} needs the compressed-tensors package to read it: "
                               "pip install 'pdserve[quantization]'") from None
+    # actorder "group" (weight_g_idx stored: groups not contiguous) is what llm-compressor wrote
+    # before compressed-tensors dropped it (its validation now rejects it): read here, served dense
+    qc = json.loads(json.dumps(qc))
+    act_order_groups = set()
+    for name, g in (qc.get("config_groups") or {}).items():
+        if isinstance(g, dict) and isinstance(g.get("weights"), dict) and g["weights"].get("actorder") == "group":
+            g["weights"]["actorder"] = None
+            act_order_groups.add(name)
     try:
         config = QuantizationConfig.model_validate({k: v for k, v in qc.items()
                                                     if k not in ("quant_method", "version", "sparsity_config",
@@ -195,9 +204,8 @@ def _compressed(qc: dict, file: str, where: str) -> HubQuantization:
                 _refuse(where, f"config group {name}: {w.num_bits}-bit integer weights (pdserve serves 4 and 8)")
             if strategy not in ("group", "channel"):
                 _refuse(where, f"config group {name}: strategy {strategy!r} (pdserve reads group and channel)")
-            actorder = getattr(w.actorder, "value", w.actorder)
             scheme = WeightScheme("int", w.num_bits, w.group_size if strategy == "group" else -1,
-                                  not w.symmetric, g_idx=actorder == "group", packed=fmt == "pack-quantized")
+                                  not w.symmetric, g_idx=name in act_order_groups, packed=fmt == "pack-quantized")
         groups.append((list(g.targets), scheme))
     if not groups:
         _refuse(where, "no config_groups")
