@@ -3,7 +3,7 @@ and qzeros with 8 columns per int32 word in the interleaved order 0, 2, 4, 6, 1,
 import pytest
 import torch
 
-from tests.quantization import formats
+from tools import quantize_hub as formats
 from tests.quantization.checks import assert_engine_matches_transformers, assert_loaded_exactly
 
 

@@ -7,7 +7,7 @@ import torch
 from pdserve.config import ModelConfig
 from pdserve.loader import load_model
 from tests.quantization.checks import assert_engine_matches_transformers, assert_loaded_exactly
-from tests.quantization.ct_make import make_compressed, make_legacy_act_order
+from tools.quantize_hub import make_compressed, make_legacy_act_order
 
 INT = dict(type="int")
 FP8 = dict(num_bits=8, type="float", symmetric=True)

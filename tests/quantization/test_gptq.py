@@ -6,7 +6,7 @@ import torch
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
 from pdserve.loader import load_model
-from tests.quantization import formats
+from tools import quantize_hub as formats
 from tests.quantization.checks import assert_engine_matches_transformers, assert_loaded_exactly
 
 # name: bits, group, sym, checkpoint format, act-order

@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from tests.helpers import corpus_prompts, hf_logits
-from tests.quantization import formats
+from tools import quantize_hub as formats
 from tests.server.conftest import Server
 
 from pdserve.tokenizer import Tokenizer
