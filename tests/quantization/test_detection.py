@@ -87,3 +87,15 @@ def test_quantization_flag_on_a_quantized_checkpoint_is_refused(config_only):
     path = config_only(CT_W4A16)
     with pytest.raises(ConfigError, match=r"--quantization int8: .* is already quantized \(compressed-tensors"):
         LLM(path, quantization="int8")
+
+
+def test_compressed_tensors_config_groups_pick_each_linears_scheme(config_only):
+    """Mixed precision: the first group whose targets match (a regex, "Linear", or a name) applies."""
+    w8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    w4 = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}
+    qc = dict(CT_W4A16, config_groups={"attn": {"targets": ["re:.*self_attn.*"], "weights": w8},
+                                       "rest": {"targets": ["Linear"], "weights": w4}})
+    quant = ModelConfig.from_dir(config_only(qc)).quantization
+    assert quant.describe() == "compressed-tensors (int4 group 32 asym, int8 per channel sym)"
+    assert quant.scheme_for("model.layers.0.self_attn.o_proj").bits == 8
+    assert quant.scheme_for("model.layers.0.mlp.down_proj").bits == 4
