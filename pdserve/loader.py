@@ -104,6 +104,8 @@ def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, 
             if target not in params:
                 target = "model." + target   # e.g. OPT's "decoder.*" keys
             if target not in params:
+                if cfg.quantization is not None and name.endswith(".bias") and not tensor.any():
+                    continue   # AutoGPTQ-made checkpoints carry zero biases for bias-free linears (vLLM skips them)
                 raise CheckpointError(f"{file}: unexpected tensor {name!r} for {cfg.architecture}")
             dest = params[target]
             module = model.get_submodule(target.rpartition(".")[0])

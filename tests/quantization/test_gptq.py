@@ -117,3 +117,21 @@ def test_a_missing_part_is_named(base, tmp_path):
     formats.write_sharded(dst, tensors)
     with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.down_proj.scales'"):
         load_model(ModelConfig.from_dir(dst), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("value", [0.0, 0.5])
+def test_extra_zero_biases_are_skipped_as_vllm_does(make_tiny, tmp_path, value):
+    """AutoGPTQ writes a bias for every quantized linear, zeros where the model has none (Llama):
+    those are skipped; a non-zero one is a bias the model cannot hold, refused."""
+    base = make_tiny("llama")
+    dst = str(tmp_path / "biased")
+    codes = make_gptq(base, dst, 4, 32, True, "gptq", False)
+    tensors = formats.read_tensors(dst)
+    for module, c in codes.items():
+        tensors[f"{module}.bias"] = torch.full((c.u.shape[0],), value, dtype=torch.float16)
+    formats.write_sharded(dst, tensors)
+    if value:
+        with pytest.raises(CheckpointError, match="unexpected tensor .*_proj.bias"):
+            load_model(ModelConfig.from_dir(dst), torch.float32, "cpu")
+    else:
+        assert_loaded_exactly(dst, codes)
