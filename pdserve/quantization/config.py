@@ -173,13 +173,16 @@ def _compressed(qc: dict, file: str, where: str) -> HubQuantization:
         _refuse(where, "sparse (sparsity_config) weights")
     if qc.get("transform_config"):
         _refuse(where, "transforms (transform_config: rotations applied at run time)")
+    status = str(getattr(config.quantization_status, "value", config.quantization_status))
+    if status != "compressed":
+        _refuse(where, f"quantization_status {status!r} (pdserve reads compressed checkpoints)")
     if config.kv_cache_scheme is not None:
         _refuse(where, "a quantized KV cache (kv_cache_scheme)")
     formats = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
     groups = []
     for name, g in config.config_groups.items():
-        fmt = str(getattr(g, "format", None) or config.format)
-        fmt = getattr(fmt, "value", fmt)
+        fmt = getattr(g, "format", None) or config.format
+        fmt = str(getattr(fmt, "value", fmt))
         if fmt not in formats:
             _refuse(where, f"config group {name}: format {fmt!r} (pdserve reads {', '.join(formats)})")
         w, a = g.weights, g.input_activations

@@ -11,6 +11,7 @@ from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError, ConfigError
 
 CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
                                           "weights": {"num_bits": 4, "type": "int", "symmetric": True,
                                                       "strategy": "group", "group_size": 128}}}}
@@ -72,6 +73,7 @@ def test_served_methods_are_detected(config_only, qc, described):
     (ct({"num_bits": 2}), "2-bit integer weights"),
     (ct({"strategy": "tensor", "group_size": None}), "strategy 'tensor'"),
     (ct(fmt="nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized'"),
+    (ct(quantization_status="frozen"), "quantization_status 'frozen'"),
     (ct(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}), "quantized KV cache"),
     (ct({"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}, fmt="float-quantized"),
      "8-bit float weights with strategy group"),
