@@ -135,3 +135,13 @@ def test_extra_zero_biases_are_skipped_as_vllm_does(make_tiny, tmp_path, value):
             load_model(ModelConfig.from_dir(dst), torch.float32, "cpu")
     else:
         assert_loaded_exactly(dst, codes)
+
+
+def test_bf16_serving_rounds_the_dequantized_weights_once(checkpoints):
+    """--dtype bfloat16: the linears hold W_dq rounded to bf16 once (the codes stay exact in .quant)."""
+    path, codes = checkpoints["int4-g128-asym"]
+    model = load_model(ModelConfig.from_dir(path), torch.bfloat16, "cpu")
+    o = model.get_submodule("model.layers.0.self_attn.o_proj")
+    c = codes["model.layers.0.self_attn.o_proj"]
+    assert o.weight.dtype == torch.bfloat16 and torch.equal(o.weight, c.w_dq.bfloat16())
+    assert torch.equal(o.quant.dequantize(), c.w_dq)
