@@ -12,6 +12,7 @@ import torch
 
 from pdserve.checkpoint_files import checkpoint_file
 from pdserve.errors import CheckpointError, ConfigError
+from pdserve.quantization.config import HubQuantization, read_quantization
 
 
 @dataclass
@@ -32,6 +33,8 @@ class ModelConfig:
     # the longest sequence served (the engine's max_model_len; None: max_position_embeddings):
     # longrope picks its factor set by it (pdserve/layers/rotary.py)
     max_model_len: int | None = None
+    # a Hub quantized checkpoint's quantization_config, as pdserve serves it (pdserve/quantization)
+    quantization: "HubQuantization | None" = field(default=None, repr=False)
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -66,6 +69,7 @@ class ModelConfig:
             raise CheckpointError(f"{file}: missing field {e.args[0]!r} for {arch}") from None
         cfg = cls(path, arch, **fields, torch_dtype=raw.get("dtype") or raw.get("torch_dtype"), raw=raw)
         cfg._check(file)
+        cfg.quantization = read_quantization(raw, file)   # refuses here, before a weight is read
         return cfg
 
     def _check(self, file: str):

@@ -15,6 +15,7 @@ from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.quantized import GroupQuantized, attach_shard, finish_quantized
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models import ARCHITECTURES
+from pdserve.quantization import quantized_tensors
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 Tensorish = torch.Tensor | GroupQuantized
@@ -62,7 +63,10 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str,
     tied = cfg.tie_word_embeddings
     if tied:  # to_empty gives each module its own tensor: tie again
         model.lm_head.weight = model.get_submodule(embed_module_name(cfg)).weight
-    fill(model, cfg, safetensors_tensors(cfg.path) if tensors is None else tensors)
+    tensors = safetensors_tensors(cfg.path) if tensors is None else tensors
+    if cfg.quantization is not None:   # AWQ / GPTQ / compressed-tensors parts -> one weight per linear
+        tensors = quantized_tensors(cfg, tensors)
+    fill(model, cfg, tensors)
     return model.eval()
 
 
@@ -100,6 +104,8 @@ def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, 
             if target not in params:
                 target = "model." + target   # e.g. OPT's "decoder.*" keys
             if target not in params:
+                if cfg.quantization is not None and name.endswith(".bias") and not tensor.any():
+                    continue   # AutoGPTQ-made checkpoints carry zero biases for bias-free linears (vLLM skips them)
                 raise CheckpointError(f"{file}: unexpected tensor {name!r} for {cfg.architecture}")
             dest = params[target]
             module = model.get_submodule(target.rpartition(".")[0])

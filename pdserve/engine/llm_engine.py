@@ -23,6 +23,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_hooks import CostModelHook, ProfilerHook, ThreadHook
 from pdserve.engine.threads import ThreadTuner
 from pdserve.errors import RequestError, SLOUnattainable
+from pdserve.quantization import check_requested
 from pdserve.kv_transfer import make_connector
 from pdserve.sampling_params import SamplingParams
 from pdserve.spec_decode.speculator import make_speculator
@@ -39,6 +40,7 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
         self.model_config = ModelConfig.from_dir(model)
+        check_requested(self.model_config.quantization, self.config.quantization)
         self.tokenizer = Tokenizer.from_dir(model)
         self.model_name = os.path.basename(os.path.normpath(model))
         if self.config.device == "cpu":
