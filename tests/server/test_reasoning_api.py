@@ -15,19 +15,11 @@ import pytest
 
 from pdserve import cli
 from pdserve.tokenizer import Tokenizer
-from tests.server.thinking_model import ANSWER, CALL, CONTENT, REASONING, make_thinking_model
+from tests.server.thinking_model import (ANSWER, CALL, CONTENT, DIGIT, REASONING, WEATHER,  # noqa: F401
+                                         thinking_model)   # a fixture
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-           "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
-DIGIT = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}},
-         "required": ["answer"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def thinking_model(tmp_path_factory):
-    return make_thinking_model(str(tmp_path_factory.mktemp("thinking")))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ constrained answer is whatever the grammar allows that the model ranks first: va
 import json
 import os
 
-import torch
+import pytest
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
@@ -67,6 +67,11 @@ THINKING_SCRIPT = ["<think>", REASONING_1, REASONING_2, "</think>", ANSWER, "<to
 REASONING = REASONING_1 + REASONING_2
 CONTENT = ANSWER + "<tool_call>" + CALL + "</tool_call>"
 SCALE = 4.0
+# the schemas the tests constrain the answer with
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+DIGIT = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["answer"], "additionalProperties": False}
 
 
 def make_thinking_model(out_dir: str) -> str:
@@ -108,3 +113,8 @@ def make_thinking_model(out_dir: str) -> str:
         head[nxt] += SCALE * emb[current] / emb[current].norm()
     save_file({k: v.contiguous() for k, v in w.items()}, weights_path, metadata={"format": "pt"})
     return out_dir
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory):
+    return make_thinking_model(str(tmp_path_factory.mktemp("thinking")))
