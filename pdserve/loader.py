@@ -94,11 +94,23 @@ def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, 
                 del needed[(f"{name}.{p}", None)]
                 needed.update({(f"{name}.{p}", i): f"{path}.{source}.{p}"
                                for source, (m, i) in stacked.items() if m == merged})
+    # checkpoint tensors that each fill part of a parameter (an MoE model's per-expert tensors in its
+    # stacked experts): name -> (parameter, index along its first dim or None, (first row, rows) or None)
+    sliced = model.checkpoint_tensors() if hasattr(model, "checkpoint_tensors") else {}
+    for name, (target, _, _) in sliced.items():
+        needed.pop((target, None), None)
+        needed[(target, name)] = name
     loaded, first_file = set(), None
     with torch.no_grad():
         for file, name, tensor in tensors:
             first_file = first_file or file
             if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name in sliced:
+                target, index, rows = sliced[name]
+                dest = params[target] if index is None else params[target][index]
+                load_slice(file, name, tensor, dest, rows)
+                loaded.add((target, name))
                 continue
             target, shard = stacked_target(model, name)
             if target not in params:
@@ -129,6 +141,17 @@ def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, 
     partial = finish_quantized(model)
     if partial:
         raise CheckpointError(f"{source}: {partial[0]} mixes quantized and full-precision shards")
+
+
+def load_slice(file: str, name: str, tensor: Tensorish, dest: torch.Tensor, rows: tuple[int, int] | None) -> None:
+    """A checkpoint tensor into its part of a parameter (rows of dest, or all of it)."""
+    if isinstance(tensor, GroupQuantized):
+        raise CheckpointError(f"{file}: tensor {name!r} is quantized; quantized experts are not supported")
+    dest = dest if rows is None else dest.narrow(0, *rows)
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
+                              f"implies {tuple(dest.shape)}")
+    dest.copy_(tensor)
 
 
 def stacked_target(model: torch.nn.Module, name: str) -> tuple[str, int | None]:

@@ -1,7 +1,8 @@
 """`python -m tools.make_model`: write a real HF checkpoint with random weights and a trained tokenizer.
 
 The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral; Gemma 2, Gemma 3
-(text), Phi-3; Qwen3, OLMo 2, Granite, SmolLM3, Ministral, Ministral 3) and saved with
+(text), Phi-3; Qwen3, OLMo 2, Granite, SmolLM3, Ministral, Ministral 3; Qwen2-MoE, Qwen3-MoE,
+Mixtral) and saved with
 `save_pretrained(safe_serialization=True)`; the tokenizer is a byte-level BPE trained with HF
 `tokenizers` on the corpus shipped in tools/corpus, following each family's
 special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
@@ -33,6 +34,9 @@ that drops a bias or a norm weight produces different tokens. Measured on the ti
     ours: smollm3 (NoPE, windows)      1.45     0.22       0.3%
     ours: ministral (windowed, full)   1.63     0.26       0.7%
     ours: ministral3                   1.70     0.28       0.2%
+    ours: qwen2_moe (dense layer 1)    1.61     0.22       0.5%
+    ours: qwen3_moe (windows of 48)    1.56     0.22       0.5%
+    ours: mixtral (windows of 48)      1.71     0.24       0.6%
     (qwen2 0.5b, 64 positions:         1.80)
 
 Logits stay finite (|logit| < 100), changing one early prompt token changes about 40-55% of
@@ -52,6 +56,7 @@ from pdserve.errors import CheckpointError
 
 ARCHS = ("opt", "llama", "qwen2", "mistral", "gemma2", "gemma3", "phi3")
 ARCHS += ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")
+ARCHS += ("qwen2_moe", "qwen3_moe", "mixtral")
 SIZES = ("tiny", "0.5b")
 INIT_GAIN = 2.0  # weight matrices: std = INIT_GAIN / sqrt(fan_in), 0.25 at width 64
 EMBED_GAIN = 8.0  # embeddings and lm_head: std = EMBED_GAIN / sqrt(dim), 1.0 at 64; sets the logit scale
@@ -112,7 +117,8 @@ FAMILIES["phi3"] = dict(
     bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>", unk="<unk>", add_bos=False, regex=LLAMA3_REGEX, nfc=False,
     template=PHI3_TEMPLATE, extra_eos=["<|end|>"])
 FAMILIES["qwen3"] = FAMILIES["qwen2"]
-for _arch in ("olmo2", "granite", "smollm3", "ministral", "ministral3"):
+FAMILIES["qwen2_moe"] = FAMILIES["qwen3_moe"] = FAMILIES["qwen2"]
+for _arch in ("olmo2", "granite", "smollm3", "ministral", "ministral3", "mixtral"):
     FAMILIES[_arch] = FAMILIES["llama"]
 
 # Model shapes. Tiny: fast CPU tests, grouped-query attention for the llama family.
@@ -250,7 +256,34 @@ def build_config(arch: str, size: str, vocab_size: int, special_ids: dict, overr
                 "original_max_position_embeddings": 64 if tiny else 16384}
         return transformers.Ministral3Config(**{**kw, "head_dim": head_dim, "rope_parameters": rope,
                                                 "sliding_window": None, **overrides})
+    if arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        return moe_config(arch, kw, tiny, head_dim, overrides)
     return transformers.Qwen2Config(**{**kw, "use_sliding_window": False, **overrides})
+
+
+def moe_config(arch: str, kw: dict, tiny: bool, head_dim: int, overrides: dict):
+    """The MoE families: 8 experts, top 2, each expert half the dense MLP's width. Tiny: Qwen2-MoE
+    has 3 layers, the middle one dense (mlp_only_layers), a gated shared expert, layer 0 windowed
+    (16; its rule: the even layers below max_window_layers); Qwen3-MoE per-head q/k norms, an
+    explicit head_dim, renormalised top-k, every layer windowed (48); Mixtral every layer windowed (48)."""
+    import transformers
+
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=kw["intermediate_size"] // 2)
+    # every layer windowed (Qwen3-MoE, Mixtral): 48 tokens, so that an early token still reaches
+    # enough later ones (with 16, 10% of the predictions change; with 48, about 30%)
+    window = dict(use_sliding_window=True, sliding_window=48) if tiny else {}
+    if arch == "qwen2_moe":
+        layers = dict(num_hidden_layers=3, mlp_only_layers=[1], max_window_layers=1) if tiny else {}
+        return transformers.Qwen2MoeConfig(**{**kw, **moe, "num_experts": 8, "norm_topk_prob": False,
+                                             "shared_expert_intermediate_size": kw["intermediate_size"],
+                                             **window, **(dict(sliding_window=16) if tiny else {}), **layers,
+                                             **overrides})
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**{**kw, **moe, "num_experts": 8, "norm_topk_prob": True,
+                                             "head_dim": 2 * head_dim, **window, **overrides})
+    return transformers.MixtralConfig(**{**kw, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                         "intermediate_size": kw["intermediate_size"] // 2, "head_dim": head_dim,
+                                         "sliding_window": 48 if tiny else None, **overrides})
 
 
 def gemma_config(arch: str, kw: dict, overrides: dict):
@@ -287,7 +320,8 @@ def norm_center(gemma: bool, name: str, dim: int) -> float:
 
 MODEL_CLASSES.update(qwen3="Qwen3ForCausalLM", olmo2="Olmo2ForCausalLM", granite="GraniteForCausalLM",
                      smollm3="SmolLM3ForCausalLM", ministral="MinistralForCausalLM",
-                     ministral3="Ministral3ForCausalLM")
+                     ministral3="Ministral3ForCausalLM", qwen2_moe="Qwen2MoeForCausalLM",
+                     qwen3_moe="Qwen3MoeForCausalLM", mixtral="MixtralForCausalLM")
 
 
 def init_weights(model, seed: int) -> None:
@@ -301,7 +335,7 @@ def init_weights(model, seed: int) -> None:
         for name, p in model.named_parameters():  # tied weights appear once
             if p.dim() >= 2:
                 gain = EMBED_GAIN if "embed" in name or "lm_head" in name else INIT_GAIN
-                std = gain / math.sqrt(p.shape[1])  # [out, in] for linears, [rows, dim] for embeddings
+                std = gain / math.sqrt(p.shape[-1])  # [(experts,) out, in] for linears, [rows, dim] for embeddings
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * ONE_D_STD)

@@ -4,11 +4,14 @@ family is one more entry."""
 from pdserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pdserve.models.granite import GraniteForCausalLM
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.mixtral import MixtralForCausalLM
 from pdserve.models.ministral import Ministral3ForCausalLM, MinistralForCausalLM
 from pdserve.models.olmo2 import Olmo2ForCausalLM
 from pdserve.models.opt import OPTForCausalLM
 from pdserve.models.phi3 import Phi3ForCausalLM
+from pdserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pdserve.models.qwen3 import Qwen3ForCausalLM
+from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from pdserve.models.smollm3 import SmolLM3ForCausalLM
 
 # HF architecture name -> our model class
@@ -26,4 +29,7 @@ ARCHITECTURES = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "MinistralForCausalLM": MinistralForCausalLM,
     "Ministral3ForCausalLM": Ministral3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }

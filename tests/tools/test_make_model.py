@@ -20,6 +20,7 @@ LLAMA3_ROPE_TIED = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low
 VARIANTS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "mistral": ("mistral", {}), "opt": ("opt", {}),
             "opt-350m-style": ("opt", OPT_350M_STYLE), "llama3-rope-tied": ("llama", LLAMA3_ROPE_TIED)}
 VARIANTS.update({arch: (arch, {}) for arch in ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")})
+VARIANTS.update({arch: (arch, {}) for arch in ("qwen2_moe", "qwen3_moe", "mixtral")})
 
 
 def load(path):
@@ -80,6 +81,16 @@ def test_files_and_family_shapes(variant):
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 16
     if name == "ministral3":
         assert cfg["rope_parameters"]["llama_4_scaling_beta"] == 0.1
+    if name in ("qwen2_moe", "qwen3_moe", "mixtral"):   # 8 experts, top 2, per-expert tensors as the Hub has them
+        assert cfg["num_experts_per_tok"] == 2 and cfg.get("num_experts", cfg.get("num_local_experts")) == 8
+        expert = {"mixtral": "block_sparse_moe.experts.7.w2"}.get(name, "mlp.experts.7.down_proj")
+        assert f"model.layers.0.{expert}.weight" in names and cfg["sliding_window"] == (16 if name == "qwen2_moe" else 48)
+    if name == "qwen2_moe":   # layer 1 dense, a gated shared expert, layer 0 windowed
+        assert cfg["mlp_only_layers"] == [1] and "model.layers.1.mlp.gate_proj.weight" in names
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in names
+        assert cfg["layer_types"] == ["sliding_attention", "full_attention", "full_attention"]
+    if name == "qwen3_moe":
+        assert cfg["head_dim"] == 32 and cfg["norm_topk_prob"] and "model.layers.0.self_attn.q_norm.weight" in names
     if name == "llama3-rope-tied":
         assert cfg["rope_parameters"]["rope_type"] == "llama3" and cfg["rope_parameters"]["factor"] == 8.0
         assert "lm_head.weight" not in names

@@ -57,7 +57,8 @@ class CpuBackend(Backend):
         elif not declares:
             self.why_no_stack = f"{type(model).__name__} declares no decoder_spec, embed and finish"
         elif spec is None:   # e.g. Ministral 3's query scaled by position
-            self.why_no_stack = f"{type(model).__name__}'s layers have a part its recipe cannot express"
+            self.why_no_stack = getattr(model, "why_no_decoder_spec",
+                                        f"{type(model).__name__}'s layers have a part its recipe cannot express")
         else:
             try:
                 self.stack = build_stack(model, spec)
