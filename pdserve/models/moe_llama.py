@@ -7,7 +7,8 @@ MLP where the config keeps the layer dense (`decoder_sparse_step`, `mlp_only_lay
 checkpoint keeps one tensor per expert and projection (`...experts.3.gate_proj.weight`); the
 model declares where each goes in the stacked parameters (`checkpoint_tensors`, read by the
 loader). The CPU decoder stack has no MoE part: the CPU backend runs these models' modules layer
-by layer (their linears and norms on its kernels) and says so in its start-up line."""
+by layer (their linears, norms and attention on its kernels, the experts on its fused-MoE kernel)
+and says so in its start-up line."""
 from torch import nn
 
 from pdserve.config import ModelConfig
@@ -37,7 +38,7 @@ def routing_of(cfg: ModelConfig, num_experts: int, renormalize: bool) -> Routing
     return Routing(num_experts=num_experts, top_k=k, renormalize=renormalize)
 
 
-def positive_int(cfg: ModelConfig, key: str, default=None) -> int:
+def non_negative_int(cfg: ModelConfig, key: str, default=None) -> int:
     v = cfg.raw.get(key, default)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         refuse(cfg, f"{key} must be a non-negative integer, got {v!r}")
@@ -57,7 +58,7 @@ def num_experts_of(cfg: ModelConfig, default: int, keys=("num_experts", "num_loc
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
-    """Llama's layer with the family's feed-forward (the model class sets `feed_forward`)."""
+    """Llama's layer with the family's feed-forward (its subclass defines `feed_forward`)."""
     def __init__(self, cfg: ModelConfig, layer: int, norm, variant: LlamaVariant | None = None):
         super().__init__(cfg, layer, norm, variant)
         self.mlp = self.feed_forward(cfg, layer)

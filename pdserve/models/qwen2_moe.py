@@ -12,7 +12,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.layers.moe import SparseMoeBlock
 from pdserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant, refuse, swiglu_variant, windows_of
-from pdserve.models.moe_llama import MoEDecoderLayer, MoEForCausalLM, num_experts_of, positive_int, routing_of, sparse_layers
+from pdserve.models.moe_llama import MoEDecoderLayer, MoEForCausalLM, num_experts_of, non_negative_int, routing_of, sparse_layers
 
 
 def qwen2_moe_windows(cfg: ModelConfig) -> tuple[int | None, ...]:
@@ -33,9 +33,9 @@ class Qwen2MoeDecoderLayer(MoEDecoderLayer):
         if not sparse_layers(cfg, E)[layer]:
             return LlamaMLP(cfg)
         raw = cfg.raw
-        shared = positive_int(cfg, "shared_expert_intermediate_size", 5632)
+        shared = non_negative_int(cfg, "shared_expert_intermediate_size", 5632)
         return SparseMoeBlock(cfg.hidden_size, routing_of(cfg, E, bool(raw.get("norm_topk_prob", False))),
-                              positive_int(cfg, "moe_intermediate_size", 1408),
+                              non_negative_int(cfg, "moe_intermediate_size", 1408),
                               shared_expert=LlamaMLP(cfg, shared), shared_expert_gate=True)
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.layers.moe import SparseMoeBlock
 from pdserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant, swiglu_variant, windows_of
-from pdserve.models.moe_llama import MoEDecoderLayer, MoEForCausalLM, num_experts_of, positive_int, routing_of, sparse_layers
+from pdserve.models.moe_llama import MoEDecoderLayer, MoEForCausalLM, num_experts_of, non_negative_int, routing_of, sparse_layers
 
 
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):
@@ -20,7 +20,7 @@ class Qwen3MoeDecoderLayer(MoEDecoderLayer):
         if not sparse_layers(cfg, E)[layer]:
             return LlamaMLP(cfg)
         return SparseMoeBlock(cfg.hidden_size, routing_of(cfg, E, bool(cfg.raw.get("norm_topk_prob", False))),
-                              positive_int(cfg, "moe_intermediate_size", 768))
+                              non_negative_int(cfg, "moe_intermediate_size", 768))
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):

@@ -10,6 +10,7 @@ from pdserve.layers import activation
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention, get_attention_metadata
 from pdserve.layers.layernorm import RMSNorm
+from pdserve.layers.moe import FusedMoE
 from pdserve.layers.rotary import Rope, RotaryEmbedding
 
 
@@ -89,7 +90,21 @@ class CpuPagedAttention(PagedAttention):
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 
-KERNEL_LAYERS = {SiluAndMul: CpuSiluAndMul, RMSNorm: CpuRMSNorm, RotaryEmbedding: CpuRotaryEmbedding}
+class CpuFusedMoE(FusedMoE):
+    """kernels/moe_cpu.cpp: the experts in one call, each selected expert's weights read once per
+    step (fp32 or bf16 experts; the activations fp32, the result cast to the model's dtype)."""
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self.gate_up_proj, self.down_proj
+        if w13.dtype not in (torch.float32, torch.bfloat16) or not (w13.is_contiguous() and w2.is_contiguous()):
+            return super().forward(x, weights, ids)
+        y = cpu_ops().fused_moe(x.float().contiguous(), weights.float().contiguous(), ids.long().contiguous(),
+                                w13.detach(), w2.detach())
+        return y.to(x.dtype)
+
+
+KERNEL_LAYERS = {SiluAndMul: CpuSiluAndMul, RMSNorm: CpuRMSNorm, RotaryEmbedding: CpuRotaryEmbedding,
+                 FusedMoE: CpuFusedMoE}
 if GeluTanhAndMul is not None:
     KERNEL_LAYERS[GeluTanhAndMul] = CpuGeluTanhAndMul
 

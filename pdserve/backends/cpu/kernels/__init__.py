@@ -4,7 +4,8 @@ linear_cpu.cpp (linears on pre-packed weights, whose tiles packed_tiles.h holds)
 straight from the paged KV cache), prefill_attention_cpu.cpp (causal attention of prefill chunks,
 also read in place), activation_cpu.cpp (SwiGLU's silu(gate) * up and GeGLU's gelu_tanh(gate) * up
 in one pass), norm_cpu.cpp (RMSNorm, fused with the residual add before it, and in place over q/k
-heads) and rotary_cpu.cpp (RoPE on q and k in place, full or partial);
+heads), rotary_cpu.cpp (RoPE on q and k in place, full or partial) and moe_cpu.cpp (an MoE
+layer's experts, each selected expert's weights read once per step for all its tokens);
 buffer_pool.cpp keeps the freed big outputs of the linears and SwiGLU for reuse.
 
 Written once over ATen's portable vector layer (vec.h) and compiled per instruction set: "avx512"
@@ -30,7 +31,7 @@ log = logging.getLogger("pdserve")
 _DIR = os.path.dirname(__file__)
 SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "argmax_cpu.cpp", "attention_cpu.cpp", "prefill_attention_cpu.cpp",
                                            "activation_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp", "buffer_pool.cpp",
-                                           "decoder_cpu.cpp")]
+                                           "decoder_cpu.cpp", "moe_cpu.cpp")]
 HEADERS = [os.path.join(_DIR, f) for f in ("vec.h", "buffer_pool.h", "decoder.h", "ops.h", "packed_tiles.h")]
 CFLAGS = ["-O3", "-fopenmp"]
 # Per instruction set: the compiler's flags (CPU_CAPABILITY picks ATen's vector implementation) and

@@ -81,6 +81,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu(x[:, :I], approximate='tanh') * x[:, I:] (activation_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("fused_moe", &fused_moe, "an MoE layer's SwiGLU experts, tokens grouped by expert (moe_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows (norm_cpu.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual) (norm_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());

@@ -19,6 +19,7 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
                              torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens, torch::Tensor out,
                              int64_t block_size, double scale, int64_t sliding_window, double softcap);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor fused_moe(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor w13, torch::Tensor w2);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

@@ -1,0 +1,79 @@
+"""The CPU fused-MoE kernel (kernels/moe_cpu.cpp) equals the torch reference, layers/moe.py's
+FusedMoE, on each kernel build: fp32 and bf16 experts, decode-sized and prefill-sized batches,
+experts chosen by no token, by one, by many, sizes that are no multiple of the vector width."""
+import pytest
+import torch
+
+from pdserve.backends.cpu.kernels import cpu_ops
+from pdserve.backends.cpu.layers import CpuFusedMoE
+from pdserve.layers.moe import FusedMoE, Routing, select_experts
+
+pytestmark = pytest.mark.usefixtures("cpu_isa")
+
+
+def experts(E: int, H: int, I: int, dtype: torch.dtype, seed: int = 0) -> FusedMoE:
+    torch.manual_seed(seed)
+    moe = FusedMoE(E, H, I)
+    with torch.no_grad():
+        moe.gate_up_proj.copy_(torch.randn(E, 2 * I, H) / H ** 0.5)
+        moe.down_proj.copy_(torch.randn(E, H, I) / I ** 0.5)
+    return moe.to(dtype)
+
+
+def routed(T: int, H: int, E: int, k: int, seed: int = 1):
+    torch.manual_seed(seed)
+    x = torch.randn(T, H)
+    logits = torch.randn(T, E) * 2
+    weights, ids = select_experts(logits, Routing(num_experts=E, top_k=k, renormalize=True))
+    return x, weights, ids
+
+
+@pytest.mark.parametrize("T, E, k, H, I", [
+    (1, 8, 2, 64, 32),        # a decode step
+    (5, 8, 2, 64, 32),
+    (37, 16, 3, 72, 40),      # H and I no multiple of the vector width, experts with no token
+    (200, 64, 8, 128, 48),    # a prefill chunk, Qwen3-MoE's top 8
+    (3, 4, 4, 33, 17),        # every expert, odd sizes
+])
+def test_fp32_experts_equal_torch(T, E, k, H, I):
+    moe = experts(E, H, I, torch.float32)
+    x, weights, ids = routed(T, H, E, k)
+    want = moe(x, weights, ids)
+    got = cpu_ops().fused_moe(x, weights, ids, moe.gate_up_proj.detach(), moe.down_proj.detach())
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T, E, k", [(1, 8, 2), (64, 16, 4)])
+def test_bf16_experts_equal_torch_on_their_values(T, E, k):
+    """bf16 experts: the kernel widens each weight exactly and computes in fp32, as torch does on
+    the same values in fp32."""
+    moe = experts(E, 96, 64, torch.bfloat16)
+    x, weights, ids = routed(T, 96, E, k)
+    got = cpu_ops().fused_moe(x, weights, ids, moe.gate_up_proj.detach(), moe.down_proj.detach())
+    want = moe.float()(x, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_layer_swap_runs_the_kernel_in_the_models_dtype():
+    for dtype in (torch.float32, torch.bfloat16):
+        moe = experts(8, 64, 32, dtype)
+        x, weights, ids = routed(9, 64, 8, 2)
+        want = moe(x.to(dtype), weights, ids)
+        moe.__class__ = CpuFusedMoE
+        got = moe(x.to(dtype), weights, ids)
+        assert got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 5e-2   # torch's bf16 products round each step
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_bad_arguments_are_refused():
+    moe = experts(4, 32, 16, torch.float32)
+    x, weights, ids = routed(3, 32, 4, 2)
+    w13, w2 = moe.gate_up_proj.detach(), moe.down_proj.detach()
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops().fused_moe(x, weights, torch.full_like(ids, 4), w13, w2)
+    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+        cpu_ops().fused_moe(x, weights, ids, w13, w2.bfloat16())
+    with pytest.raises(RuntimeError, match="w13 must be"):
+        cpu_ops().fused_moe(x[:, :16].contiguous(), weights, ids, w13, w2)
