@@ -32,9 +32,16 @@ class ModelConfig:
     # the longest sequence served (the engine's max_model_len; None: max_position_embeddings):
     # longrope picks its factor set by it (pdserve/layers/rotary.py)
     max_model_len: int | None = None
+    gguf_file: str | None = None   # a GGUF model: the file its config, tokenizer and weights come from
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
+        """The config of an HF checkpoint directory, or of a GGUF model (a .gguf file, or a directory
+        holding one and no config.json; built from its metadata: pdserve/gguf/config.py)."""
+        from pdserve.gguf import gguf_file   # here: it imports errors only, but keeps gguf lazy
+        gguf = gguf_file(path)
+        if gguf is not None:
+            return cls.from_gguf(path, gguf)
         if not os.path.isdir(path):   # never a hub name: nothing is downloaded
             raise CheckpointError(f"{path}: not a directory")
         file = checkpoint_file(path, "config.json")
@@ -65,6 +72,18 @@ class ModelConfig:
         except KeyError as e:
             raise CheckpointError(f"{file}: missing field {e.args[0]!r} for {arch}") from None
         cfg = cls(path, arch, **fields, torch_dtype=raw.get("dtype") or raw.get("torch_dtype"), raw=raw)
+        cfg._check(file)
+        return cfg
+
+    @classmethod
+    def from_gguf(cls, path: str, file: str) -> "ModelConfig":
+        from pdserve.gguf.config import hf_config
+        from pdserve.gguf.reader import open_gguf
+        from pdserve.models import ARCHITECTURES
+        raw = hf_config(open_gguf(file))
+        arch = raw["architectures"][0]
+        cfg = cls(path, arch, **ARCHITECTURES[arch].config_fields(raw), torch_dtype=raw["dtype"], raw=raw,
+                  gguf_file=file)
         cfg._check(file)
         return cfg
 
