@@ -4,7 +4,8 @@ The vocabulary (tokenizer.ggml.tokens, in byte-level form), the merges and the t
 from the file; the pre-tokenizer is the one `tokenizer.ggml.pre` names, written as the regex and
 normalizer that family's HF tokenizer.json has (llama.cpp keeps the same regexes in
 llama-vocab.cpp); CONTROL tokens are special added tokens, USER_DEFINED ones plain added tokens;
-BOS is prepended when tokenizer.ggml.add_bos_token says so. Generation stops at the file's eos,
+BOS is prepended when tokenizer.ggml.add_bos_token says so; UNUSED tokens (the converter's
+padding of the vocabulary) are left out. Generation stops at the file's eos,
 eot and eom tokens and, as llama.cpp decides its end-of-generation tokens, at any CONTROL token
 whose text is one of the usual end-of-turn markers (END_OF_TURN)."""
 from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers, processors
@@ -26,7 +27,7 @@ PRE_TOKENIZERS = {
     "qwen2": (QWEN2_REGEX, True),
     "gpt-2": (None, False), "default": (None, False),
 }
-CONTROL, USER_DEFINED = 3, 4   # llama.cpp's token types
+CONTROL, USER_DEFINED, UNUSED = 3, 4, 5   # llama.cpp's token types
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
                "<EOT>", "<|end_of_text|>", "<end_of_utterance>")
 
@@ -48,7 +49,9 @@ def build_tokenizer(f: GGUFFile) -> tuple[RustTokenizer, dict, dict, str | None]
         raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
     if types is not None and len(types) != len(tokens):
         raise CheckpointError(f"{f.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    vocab = {t: i for i, t in enumerate(tokens)}
+    # UNUSED tokens are the converter's padding of the vocabulary to the embedding's rows
+    # ([PAD1500], ...): not the tokenizer's; ids beyond it decode to nothing, as in transformers
+    vocab = {t: i for i, t in enumerate(tokens) if types is None or int(types[i]) != UNUSED}
     try:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         backend = RustTokenizer(BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
