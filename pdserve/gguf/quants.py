@@ -9,8 +9,11 @@ is the negated d * m (or Q4_0's -8 d), so the one multiply-add reproduces its ar
     Q8_0  34-byte blocks of 32: f16 d, 32 int8         w = d q            8-bit, group 32
     Q4_0  18-byte blocks of 32: f16 d, 16 nibble pairs w = d (q - 8)      4-bit, group 32, offset -8 d
     Q4_1  20-byte blocks of 32: f16 d, f16 m, nibbles  w = d q + m        4-bit, group 32, offset m
+    Q5_0  22-byte blocks of 32: f16 d, 32 fifth bits, nibbles  w = d (q - 16)   8-bit codes -16..15, group 32
+    Q5_1  24-byte blocks of 32: f16 d, f16 m, fifth bits, nibbles  w = d q + m  8-bit codes 0..31, offset m
     Q4_K  144-byte super-blocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for
           8 sub-blocks of 32, 128 bytes of nibbles    w = d sc q - dmin m 4-bit, group 32
+          (llama-quantize's K_M files fall back to Q5_0/Q5_1 for rows not a multiple of 256)
     Q5_K  176 bytes: Q4_K's plus 32 bytes of fifth bits   codes 0..31     8-bit, group 32
     Q6_K  210 bytes: 128 low-nibble, 64 two-bit bytes, 16 int8 scales, f16 d
           w = d sc (q - 32)                                codes -32..31  8-bit, group 16
@@ -69,6 +72,24 @@ def q4_1(raw, rows, cols):
     return _group(_nibbles(b[..., 4:], 16), _f16(b[..., :2]), _f16(b[..., 2:4]), rows, cols, 32, 4)
 
 
+def _fifth_bits(b: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0/Q5_1: the block's 32 fifth bits, a little-endian uint32 at byte `at` (bit j: element j)."""
+    qh = np.ascontiguousarray(b[..., at:at + 4]).view("<u4")
+    return ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+
+
+def q5_0(raw, rows, cols):
+    b = _blocks(raw, T.Q5_0, rows, cols)
+    q = (_nibbles(b[..., 6:], 16) | (_fifth_bits(b, 2) << np.uint8(4))).astype(np.int8) - np.int8(16)
+    return _group(q, _f16(b[..., :2]), None, rows, cols, 32, 8)
+
+
+def q5_1(raw, rows, cols):
+    b = _blocks(raw, T.Q5_1, rows, cols)
+    q = (_nibbles(b[..., 8:], 16) | (_fifth_bits(b, 4) << np.uint8(4))).view(np.int8)
+    return _group(q, _f16(b[..., :2]), _f16(b[..., 2:4]), rows, cols, 32, 8)
+
+
 def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K super-blocks (n, sb, bytes) -> per-sub-block scale d*sc and offset -(dmin*m), (n, sb, 8)."""
     n, sb = b.shape[:2]
@@ -109,6 +130,8 @@ DECODERS = {
     T.Q8_0: (q8_0, "int8 group 32"),
     T.Q4_0: (q4_0, "int4 group 32 + offset"),
     T.Q4_1: (q4_1, "int4 group 32 + offset"),
+    T.Q5_0: (q5_0, "8-bit codes -16..15 group 32"),
+    T.Q5_1: (q5_1, "8-bit codes 0..31 group 32 + offset"),
     T.Q4_K: (q4_k, "int4 group 32 + offset"),
     T.Q5_K: (q5_k, "8-bit codes 0..31 group 32 + offset"),
     T.Q6_K: (q6_k, "int8 group 16"),

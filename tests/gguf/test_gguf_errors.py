@@ -66,9 +66,9 @@ def test_unknown_architecture(make_gguf, tmp_path):
 
 def test_unsupported_tensor_type(make_gguf, tmp_path):
     _, gguf = make_gguf("qwen2", "f32")
-    p = rewrite(gguf, str(tmp_path / "q5_0.gguf"), retype={"blk.1.ffn_up.weight": T.Q5_0})
+    p = rewrite(gguf, str(tmp_path / "mxfp4.gguf"), retype={"blk.1.ffn_up.weight": T.MXFP4})
     msg = refusal(p, load=True)
-    assert "'blk.1.ffn_up.weight' has type Q5_0" in msg
+    assert "'blk.1.ffn_up.weight' has type MXFP4" in msg
 
 
 def test_two_gguf_files_in_a_directory(make_gguf, tmp_path):
@@ -77,3 +77,10 @@ def test_two_gguf_files_in_a_directory(make_gguf, tmp_path):
     for n in ("a.gguf", "b.gguf"):
         shutil.copy(gguf, tmp_path / n)
     assert "holds 2 GGUF files" in refusal(str(tmp_path))
+
+
+def test_transformers_backends_refuse_a_gguf_model(make_gguf):
+    from pdserve.baselines.backend import HFBackend
+    _, gguf = make_gguf("qwen2", "f32")
+    with pytest.raises(CheckpointError, match="served by the engine"):
+        HFBackend(gguf, device="cpu")

@@ -26,7 +26,7 @@ FILE_TYPES = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K
 # The 256-wide models' fp32 sums (512 products) run in another order than transformers': measured up
 # to 1.03e-4 on logits of magnitude ~2-8, where the 64-wide F32 tests hold 1e-4.
 ATOL = 3e-4
-FORMS = {T.Q8_0: (8, 32), T.Q4_0: (4, 32), T.Q4_1: (4, 32), T.Q4_K: (4, 32), T.Q5_K: (8, 32), T.Q6_K: (8, 16)}
+FORMS = {T.Q5_0: (8, 32), T.Q5_1: (8, 32), T.Q8_0: (8, 32), T.Q4_0: (4, 32), T.Q4_1: (4, 32), T.Q4_K: (4, 32), T.Q5_K: (8, 32), T.Q6_K: (8, 16)}
 
 
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
@@ -40,8 +40,8 @@ def test_decoders_equal_gguf_dequantize_on_random_blocks(qtype):
     if qtype == T.Q6_K:
         raw[..., 208:210] = halves[..., :2]
     else:
-        raw[..., :4 if qtype in (T.Q4_1, T.Q4_K, T.Q5_K) else 2] = halves[..., :4 if qtype != T.Q8_0 and
-                                                                           qtype != T.Q4_0 else 2]
+        n = 4 if qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K) else 2   # bytes of f16 d (and m / dmin)
+        raw[..., :n] = halves[..., :n]
     raw = raw.reshape(rows, -1)
     gq = DECODERS[qtype][0](raw, rows, cols)
     assert (gq.bits, gq.group_size) == FORMS[qtype]
