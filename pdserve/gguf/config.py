@@ -12,12 +12,18 @@ from gguf import GGMLQuantizationType as T
 from pdserve.errors import CheckpointError
 from pdserve.gguf.reader import GGUFFile
 
-# general.architecture -> (HF architecture, model_type). llama.cpp writes Mistral as "llama".
+# general.architecture -> (HF architecture, model_type). llama.cpp writes Mistral as "llama" (served as
+# Llama: the same model without a sliding window, which its GGUF cannot express).
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+    "granite": ("GraniteForCausalLM", "granite"),
 }
+# Granite's multipliers: GGUF key -> config.json field
+GRANITE_SCALES = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                  "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 DTYPES = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16"}
 
 
@@ -70,6 +76,10 @@ def hf_config(f: GGUFFile) -> dict:
     }
     if model_type in ("qwen2", "qwen3"):
         raw["use_sliding_window"] = False
+    if model_type == "granite":
+        for key, name in GRANITE_SCALES.items():
+            if f.arch_get(key) is not None:
+                raw[name] = f32(f.arch_get(key))
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         raw[key] = f.get(f"tokenizer.ggml.{name}_token_id")
     return raw

@@ -30,12 +30,14 @@ GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight"
           "output.weight": "lm_head.weight"}
 BLOCK = {   # blk.N.<key> -> model.layers.N.<value>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    # OLMo 2's norms after the attention and the MLP (it has none before them)
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
-PERMUTED = {"llama"}   # GGUF architectures whose converter permuted q/k (LlamaModel.undo_permute)
+PERMUTED = {"llama", "granite"}   # GGUF architectures whose converter permuted q/k (LlamaModel.undo_permute)
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
