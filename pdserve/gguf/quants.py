@@ -137,3 +137,6 @@ DECODERS = {
     T.Q6_K: (q6_k, "int8 group 16"),
 }
 DENSE = (T.F32, T.F16, T.BF16)
+# type -> (bits, group size, has an offset) of its group form
+FORMS = {T.Q8_0: (8, 32, False), T.Q4_0: (4, 32, True), T.Q4_1: (4, 32, True), T.Q5_0: (8, 32, False),
+         T.Q5_1: (8, 32, True), T.Q4_K: (4, 32, True), T.Q5_K: (8, 32, True), T.Q6_K: (8, 16, False)}

@@ -20,7 +20,7 @@ from gguf.quants import dequantize
 
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
-from pdserve.gguf.quants import DECODERS, DENSE
+from pdserve.gguf.quants import DECODERS, DENSE, FORMS
 from pdserve.gguf.reader import GGUFFile
 from pdserve.layers.quantized import GroupQuantized
 
@@ -37,6 +37,8 @@ BLOCK = {   # blk.N.<key> -> model.layers.N.<value>
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+# linears pdserve runs as one merged linear (qkv, gate_up): their shards must share one form
+MERGED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 PERMUTED = {"llama", "granite"}   # GGUF architectures whose converter permuted q/k (LlamaModel.undo_permute)
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -57,8 +59,39 @@ def unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     return rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
+def merged_forms(f: GGUFFile) -> dict[str, tuple[int, int, bool] | None]:
+    """Tensor name -> the (bits, group size, offset) its shard of a merged linear is widened to, where
+    the shards' types differ (Q4_K_M keeps q/k in Q4_K and v in Q6_K); None: load the shards dense
+    (some are F32/F16/BF16). The widened form holds the same values: 4-bit codes as 8-bit ones, a
+    group's scale and offset repeated over its finer groups, a zero offset where one is missing."""
+    out = {}
+    for i in range(int(f.arch_get("block_count", 0) or 0)):
+        for keys in MERGED:
+            names = [f"blk.{i}.{k}.weight" for k in keys if f"blk.{i}.{k}.weight" in f.tensors]
+            types = {f.tensors[n].tensor_type for n in names}
+            if len(types) < 2:
+                continue
+            if not all(t in DECODERS for t in types):
+                out.update(dict.fromkeys(names))
+                continue
+            forms = [FORMS[t] for t in types]
+            target = (max(b for b, _, _ in forms), min(g for _, g, _ in forms), any(o for _, _, o in forms))
+            out.update(dict.fromkeys(names, target))
+    return out
+
+
+def widen(gq: GroupQuantized, bits: int, group: int, offset: bool) -> GroupQuantized:
+    q = gq.q.to(torch.int8) if bits == 8 else gq.q   # 4-bit codes 0..15 are the same 8-bit codes
+    k = gq.group_size // group
+    scale = gq.scale.repeat_interleave(k, dim=1)
+    off = gq.offset.repeat_interleave(k, dim=1) if gq.offset is not None else \
+        torch.zeros_like(scale) if offset else None
+    return GroupQuantized(q, scale, off, group, bits)
+
+
 def gguf_tensors(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Tensor | GroupQuantized]]:
     forms = Counter()
+    widened = merged_forms(f)
     for name, t in f.tensors.items():
         try:
             hf, key = hf_name(name)
@@ -67,12 +100,16 @@ def gguf_tensors(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, str, torc
         qtype = t.tensor_type
         shape = tuple(int(x) for x in reversed(t.shape))   # ggml lists the fastest dimension first
         linear = key in LINEARS and name.endswith(".weight")
-        if linear and qtype in DECODERS:
+        if linear and qtype in DECODERS and not (name in widened and widened[name] is None):
             decode, form = DECODERS[qtype]
             try:
                 value = decode(np.asarray(t.data), *shape)
             except Exception as e:
                 raise CheckpointError(f"{f.path}: tensor {name!r} ({qtype.name}) does not decode: {e}") from None
+            if name in widened and widened[name] != FORMS[qtype]:
+                bits, group, offset = widened[name]
+                value = widen(value, bits, group, offset)
+                form = f"{bits}-bit group {group}{' + offset' if offset else ''} (widened: a merged linear's shards differ)"
             forms[f"{qtype.name} -> {form}"] += 1
         elif qtype in DENSE or qtype in DECODERS:
             value = torch.from_numpy(np.array(dequantize(np.asarray(t.data), qtype), dtype=np.float32))

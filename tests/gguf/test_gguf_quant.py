@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import ModelConfig
-from pdserve.gguf.quants import DECODERS
+from pdserve.gguf.quants import DECODERS, FORMS
 from pdserve.gguf.reader import GGUFFile
 from pdserve.gguf.tensors import LINEARS, hf_name
 from pdserve.layers.quantized import quantized_linears
@@ -26,7 +26,6 @@ FILE_TYPES = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K
 # The 256-wide models' fp32 sums (512 products) run in another order than transformers': measured up
 # to 1.03e-4 on logits of magnitude ~2-8, where the 64-wide F32 tests hold 1e-4.
 ATOL = 3e-4
-FORMS = {T.Q5_0: (8, 32), T.Q5_1: (8, 32), T.Q8_0: (8, 32), T.Q4_0: (4, 32), T.Q4_1: (4, 32), T.Q4_K: (4, 32), T.Q5_K: (8, 32), T.Q6_K: (8, 16)}
 
 
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name)
@@ -44,7 +43,7 @@ def test_decoders_equal_gguf_dequantize_on_random_blocks(qtype):
         raw[..., :n] = halves[..., :n]
     raw = raw.reshape(rows, -1)
     gq = DECODERS[qtype][0](raw, rows, cols)
-    assert (gq.bits, gq.group_size) == FORMS[qtype]
+    assert (gq.bits, gq.group_size, gq.offset is not None) == FORMS[qtype]
     assert np.array_equal(gq.dequantize().numpy(), dequantize(raw, qtype))
 
 
@@ -57,14 +56,16 @@ def check_file(model_dir: str, gguf: str, main_type: T, arch: str) -> None:
             linear_types.add(t.tensor_type)
             shape = tuple(int(x) for x in reversed(t.shape))
             gq = DECODERS[t.tensor_type][0](np.asarray(t.data), *shape)
-            assert (gq.bits, gq.group_size) == FORMS[t.tensor_type]
+            assert (gq.bits, gq.group_size, gq.offset is not None) == FORMS[t.tensor_type]
             assert np.array_equal(gq.dequantize().numpy(), dequantize(np.asarray(t.data), t.tensor_type)), name
     assert main_type in linear_types, f"{gguf}: linears in {sorted(x.name for x in linear_types)}"
 
     cfg = ModelConfig.from_dir(gguf)
     model = load_model(cfg, torch.float32, "cpu")
     quant = quantized_linears(model)
-    assert len(quant) == 4 * cfg.num_layers   # qkv, o, gate_up, down in every layer: all kept quantized
+    # qkv, o, gate_up, down in every layer: all kept quantized (a merged linear whose shards' types
+    # differ, as Q4_K_M's q/k Q4_K and v Q6_K, in the widest of their forms)
+    assert len(quant) == 4 * cfg.num_layers
     for module_name, gq in quant.items():   # the dense weight the torch path multiplies is the codes'
         assert torch.equal(model.get_submodule(module_name).weight, gq.dequantize())
 
