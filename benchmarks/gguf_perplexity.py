@@ -57,16 +57,21 @@ def pdserve_ppl(gguf: str, text: str, ctx: int) -> tuple[float, int]:
     return math.exp(nll / count), count
 
 
-def llama_ppl(binary: str, gguf: str, text_file: str, ctx: int, threads: int) -> float:
-    # -lv 5: at its default verbosity the last chunk and the final estimate were not always written
-    # before it exited (llama.cpp's asynchronous logger); the verbose log flushes them
-    r = subprocess.run([binary, "-m", gguf, "-f", text_file, "-c", str(ctx), "-b", str(ctx), "-t", str(threads),
-                        "-lv", "5"],
-                       capture_output=True, text=True, timeout=3600)
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
-    if r.returncode != 0 or m is None:
-        raise RuntimeError(f"llama-perplexity failed ({r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
-    return float(m.group(1))
+def llama_ppl(binary: str, gguf: str, text_file: str, ctx: int, threads: int, tries: int = 3) -> float:
+    """llama-perplexity's final estimate (the running estimate after its last chunk, the same number)."""
+    # -nr: no repacking of the weights for its CPU kernels; with it, this build (0.3.36's tree)
+    # crashed (SIGSEGV) loading the default model's Q8_0 file on an Intel Xeon with AVX-512 and AMX.
+    # Retries: its asynchronous logger did not always write the last lines before exiting.
+    cmd = [binary, "-m", gguf, "-f", text_file, "-c", str(ctx), "-b", str(ctx), "-t", str(threads), "-nr"]
+    for _ in range(tries):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        out = r.stdout + r.stderr
+        chunks = re.search(r"calculating perplexity over (\d+) chunks", out)
+        final = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
+        last = chunks and re.search(rf"\[{chunks.group(1)}\]([0-9.]+)", out)
+        if r.returncode == 0 and (final or last):
+            return float((final or last).group(1))
+    raise RuntimeError(f"llama-perplexity failed ({r.returncode}): {out[-2000:]}")
 
 
 def main(argv=None) -> int:
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--peers-dir", default=peers.DEFAULT_PEERS_DIR)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "gguf_perplexity.json"))
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "gguf_perplexity_{types}.json"))
     args = p.parse_args(argv)
     text = held_out_stories()
     work = os.path.join(args.peers_dir, "gguf")
@@ -101,7 +106,7 @@ def main(argv=None) -> int:
                          llama_cpp=theirs, rel_diff=ours / theirs - 1, tokens_scored=scored))
         print(json.dumps(rows[-1]), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    with open(args.out.format(types="_".join(args.types)), "w") as f:
         json.dump(dict(model=args.model, ctx=args.ctx, chars=len(text), rows=rows), f, indent=1)
     return 0
 
