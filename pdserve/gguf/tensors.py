@@ -15,7 +15,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from pdserve.config import ModelConfig

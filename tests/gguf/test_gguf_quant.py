@@ -102,3 +102,22 @@ def test_llama_quantize_types(make_quantized, file_type):
 def test_q4_k_m_qwen2(make_quantized):
     model_dir, _, gguf = make_quantized("qwen2", "Q4_K_M")
     check_file(model_dir, gguf, T.Q4_K, "qwen2")
+
+
+def test_a_merged_linear_with_a_dense_shard_loads_dense(make_gguf, tmp_path):
+    """Layer 0's v in F32 among Q8_0 q/k (as a hand-made file may have): that layer's qkv is dense,
+    the rest stay quantized, and the logits still equal transformers on the same file."""
+    from tests.gguf.test_gguf_errors import rewrite
+    _, q8 = make_gguf("qwen2", "q8_0", **WIDE)
+    gguf = rewrite(q8, str(tmp_path / "mixed.gguf"), retype={"blk.0.attn_v.weight": T.F32})
+    model = load_model(ModelConfig.from_dir(gguf), torch.float32, "cpu")
+    quant = quantized_linears(model)
+    assert "model.layers.0.self_attn.qkv_proj" not in quant and "model.layers.1.self_attn.qkv_proj" in quant
+    assert "model.layers.0.mlp.gate_up_proj" in quant
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="mixed.gguf", dtype=torch.float32).eval()
+    llm = LLM(gguf, dtype="float32", block_size=16)
+    prompt = corpus_prompts(llm.tokenizer, lens=[60])[0]
+    with torch.no_grad():
+        torch.testing.assert_close(chunked_logits(llm.engine, prompt, chunk=len(prompt)),
+                                   ref(torch.tensor([prompt]), use_cache=False).logits[0], atol=ATOL, rtol=0)
