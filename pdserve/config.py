@@ -35,9 +35,16 @@ class ModelConfig:
     max_model_len: int | None = None
     # a Hub quantized checkpoint's quantization_config, as pdserve serves it (pdserve/quantization)
     quantization: "HubQuantization | None" = field(default=None, repr=False)
+    gguf_file: str | None = None   # a GGUF model: the file its config, tokenizer and weights come from
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
+        """The config of an HF checkpoint directory, or of a GGUF model (a .gguf file, or a directory
+        holding one and no config.json; built from its metadata: pdserve/gguf/config.py)."""
+        from pdserve.gguf import gguf_file   # here: it imports errors only, but keeps gguf lazy
+        gguf = gguf_file(path)
+        if gguf is not None:
+            return cls.from_gguf(path, gguf)
         if not os.path.isdir(path):   # never a hub name: nothing is downloaded
             raise CheckpointError(f"{path}: not a directory")
         file = checkpoint_file(path, "config.json")
@@ -70,6 +77,18 @@ class ModelConfig:
         cfg = cls(path, arch, **fields, torch_dtype=raw.get("dtype") or raw.get("torch_dtype"), raw=raw)
         cfg._check(file)
         cfg.quantization = read_quantization(raw, file)   # refuses here, before a weight is read
+        return cfg
+
+    @classmethod
+    def from_gguf(cls, path: str, file: str) -> "ModelConfig":
+        from pdserve.gguf.config import hf_config
+        from pdserve.gguf.reader import open_gguf
+        from pdserve.models import ARCHITECTURES
+        raw = hf_config(open_gguf(file))
+        arch = raw["architectures"][0]
+        cfg = cls(path, arch, **ARCHITECTURES[arch].config_fields(raw), torch_dtype=raw["dtype"], raw=raw,
+                  gguf_file=file)
+        cfg._check(file)
         return cfg
 
     def _check(self, file: str):

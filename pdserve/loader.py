@@ -63,11 +63,19 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str,
     tied = cfg.tie_word_embeddings
     if tied:  # to_empty gives each module its own tensor: tie again
         model.lm_head.weight = model.get_submodule(embed_module_name(cfg)).weight
-    tensors = safetensors_tensors(cfg.path) if tensors is None else tensors
+    if tensors is None:
+        tensors = gguf_tensors(cfg) if cfg.gguf_file else safetensors_tensors(cfg.path)
     if cfg.quantization is not None:   # AWQ / GPTQ / compressed-tensors parts -> one weight per linear
         tensors = quantized_tensors(cfg, tensors)
     fill(model, cfg, tensors)
     return model.eval()
+
+
+def gguf_tensors(cfg: ModelConfig) -> Iterator[tuple[str, str, Tensorish]]:
+    """A GGUF model's tensors (pdserve/gguf/tensors.py): quantized linears as GroupQuantized."""
+    from pdserve.gguf.reader import open_gguf
+    from pdserve.gguf.tensors import gguf_tensors as tensors
+    return tensors(open_gguf(cfg.gguf_file), cfg)
 
 
 def safetensors_tensors(path: str) -> Iterator[tuple[str, str, torch.Tensor]]:

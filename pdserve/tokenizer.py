@@ -94,6 +94,13 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str) -> "Tokenizer":
+        """The tokenizer of an HF checkpoint directory, or of a GGUF model (from its metadata)."""
+        from pdserve.gguf import gguf_file
+        gguf = gguf_file(path)
+        if gguf is not None:
+            from pdserve.gguf.reader import open_gguf
+            from pdserve.gguf.tokenizer import build_tokenizer
+            return cls(*build_tokenizer(open_gguf(gguf)))
         tok_file = checkpoint_file(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
             raise CheckpointError(f"{tok_file}: file not found (a HF fast tokenizer is required)")

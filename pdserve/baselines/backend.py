@@ -12,7 +12,7 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import EngineStats, RequestOutput, StepStats
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.errors import RequestError
+from pdserve.errors import CheckpointError, RequestError
 from pdserve.loader import weight_files
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
@@ -30,6 +30,9 @@ class HFBackend:
                  seed: int = 0, **_engine_only_options):
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
         self.model_config = ModelConfig.from_dir(model)       # same checks and errors as the engine
+        if self.model_config.gguf_file:
+            raise CheckpointError(f"{model}: a GGUF model is served by the engine (--backend engine), not by "
+                                  f"--backend {self.name}, which runs transformers on an HF checkpoint")
         self.tokenizer = Tokenizer.from_dir(model)
         self.model_name = os.path.basename(os.path.normpath(model))
         limit = self.model_config.max_position_embeddings

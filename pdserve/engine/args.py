@@ -40,7 +40,8 @@ ENGINE_FIELDS: list[str] = []
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="HF-format checkpoint directory (default: the bundled default model)")
+                   help="HF-format checkpoint directory, or a GGUF file (or a directory holding one) "
+                        "(default: the bundled default model)")
     ENGINE_FIELDS[:] = add_config_args(g, EngineConfig)
     # vLLM's and transformers' flag, refused with a one-line error rather than "unrecognized arguments"
     g.add_argument("--trust-remote-code", nargs=0, action=_RefuseRemoteCode, help=argparse.SUPPRESS)

@@ -13,7 +13,7 @@ from pdserve.server.tool_parsers import PARSERS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", nargs="?", metavar="MODEL",
-                        help="HF-format checkpoint directory, as vLLM takes it (the same as --model)")
+                        help="HF-format checkpoint directory or GGUF file, as vLLM takes it (the same as --model)")
     add_engine_args(parser)
     b = parser.add_argument_group("backend (docs/BACKENDS.md)")
     b.add_argument("--backend", default="engine", choices=["engine", "hf", "static", "nocache"],

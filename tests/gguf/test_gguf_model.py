@@ -1,0 +1,104 @@
+"""A GGUF file converted by llama.cpp from a tiny HF checkpoint serves as that checkpoint does:
+the config pdserve builds from its metadata, its tokenizer and chat template, and (F32) its
+logits and greedy tokens against transformers on the HF checkpoint."""
+import os
+import shutil
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import ModelConfig
+from pdserve.tokenizer import Tokenizer
+from tests.helpers import chunked_logits, corpus_prompts, hf_greedy, hf_logits
+
+# qwen3 without its windowed layer: llama.cpp's qwen3 has no sliding window, so its GGUF is the
+# full-attention model (the converter writes no window)
+# mistral: llama.cpp writes it as a llama (its tiny checkpoint has no window), served as Llama
+ARCHS = {"qwen2": {}, "llama": {}, "qwen3": {"use_sliding_window": False}, "mistral": {}, "olmo2": {},
+         "granite": {}}
+FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+          "intermediate_size", "max_position_embeddings", "tie_word_embeddings", "rms_norm_eps", "layer_windows")
+TEXT = ("Once upon a time, there's 1234567 dogs!\n\n  Café naïve — 日本語, ÅÄÖ ñ; tabs\tand  spaces   "
+        "<|im_start|>user\nhi<|im_end|>\n I'M HERE, you'll see. 3.14159 e=mc² 😀 \r\n end")
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def converted(request, make_gguf):
+    return make_gguf(request.param, "f32", **ARCHS[request.param])
+
+
+def test_config_equals_the_checkpoints(converted):
+    model_dir, gguf = converted
+    ours, ref = ModelConfig.from_dir(gguf), ModelConfig.from_dir(model_dir)
+    assert ours.gguf_file == gguf
+    for name in FIELDS:
+        if name == "architecture" and ref.architecture == "MistralForCausalLM":
+            assert ours.architecture == "LlamaForCausalLM"
+            continue
+        assert getattr(ours, name) == getattr(ref, name), name
+    for name in ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        assert ours.raw.get(name) == ref.raw.get(name), name
+    assert ours.rope_parameters() == ref.rope_parameters()
+    assert ours.torch_dtype == "float32"
+
+
+def test_tokenizer_and_template_equal_the_checkpoints(converted):
+    from transformers import AutoTokenizer
+    model_dir, gguf = converted
+    ours, ref = Tokenizer.from_dir(gguf), Tokenizer.from_dir(model_dir)
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    # transformers' own GGUF tokenizer too, for the architectures it reads (not olmo2, granite)
+    hf_gguf = (AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+               if ModelConfig.from_dir(gguf).raw["model_type"] in GGUF_SUPPORTED_ARCHITECTURES else ref)
+    from tools.make_model import corpus_texts
+    for text in (TEXT, " ".join(corpus_texts())[:20000], "", " ", "\n\n\n"):
+        for special in (True, False):
+            ids = ref.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == ids
+            assert hf_gguf.encode(text, add_special_tokens=special) == ids
+        assert ours.decode(ids) == ref.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    assert ours.chat_template == ref.chat_template and ours.chat_template
+    chat = [{"role": "user", "content": "Hello there"}]
+    assert ours.encode_chat(chat) == ref.encode_chat(chat)
+    assert (ours.bos_token_id, ours.eos_token_ids, ours.all_special_ids) == \
+        (ref.bos_token_id, ref.eos_token_ids, ref.all_special_ids)
+    assert ours.vocab_size == ref.vocab_size
+
+
+def test_f32_logits_and_greedy_equal_transformers(converted):
+    model_dir, gguf = converted
+    llm = LLM(gguf, dtype="float32", block_size=16)
+    for prompt in corpus_prompts(llm.tokenizer, lens=[1, 17, 120]):
+        ours = chunked_logits(llm.engine, prompt, chunk=len(prompt))
+        torch.testing.assert_close(ours, hf_logits(model_dir, prompt), atol=1e-4, rtol=0)
+    prompts = corpus_prompts(llm.tokenizer, lens=[5, 40], offset=500)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(model_dir, prompt, 16)
+
+
+@pytest.mark.parametrize("outtype", ["f16", "bf16"])
+def test_half_precision_files_hold_the_converters_values(make_gguf, outtype):
+    """F16/BF16 tensors load as the file's values (the converter rounded them): equal to the
+    checkpoint's weights rounded the same way."""
+    from pdserve.loader import load_model
+    from tests.helpers import hf_model
+    model_dir, gguf = make_gguf("qwen2", outtype)
+    model = load_model(ModelConfig.from_dir(gguf), torch.float32, "cpu")
+    ref = hf_model(model_dir)
+    dtype = torch.float16 if outtype == "f16" else torch.bfloat16
+    ours = dict(model.named_parameters())
+    for name, w in ref.named_parameters():
+        if name.endswith("mlp.down_proj.weight") or name.endswith("self_attn.o_proj.weight"):
+            assert torch.equal(ours[name], w.detach().to(dtype).float()), name
+
+
+def test_a_directory_holding_one_gguf_is_that_model(converted, tmp_path):
+    _, gguf = converted
+    d = tmp_path / "model"
+    d.mkdir()
+    shutil.copy(gguf, d / "m.gguf")
+    assert ModelConfig.from_dir(str(d)).gguf_file == str(d / "m.gguf")
+    assert Tokenizer.from_dir(str(d)).encode(TEXT) == Tokenizer.from_dir(gguf).encode(TEXT)
