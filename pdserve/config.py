@@ -294,8 +294,11 @@ class EngineConfig:
                                     "repetition_penalty; max_new_tokens as max_tokens), as vLLM: auto = the model's "
                                     "generation_config.json, DIR = DIR/generation_config.json, vllm = ignore it; a "
                                     "request's own fields override (docs/API.md)", metavar="auto|vllm|DIR")
-    quantization: str | None = option(None, "weight-only int8 linears (per-channel scales; CPU kernels only)",
-                                      choices=["int8"])
+    quantization: str | None = option(None, "weight-only quantization at load, round-to-nearest (CPU kernels "
+                                      "only): int8 = 8-bit codes, one scale per output channel; int4 = 4-bit codes, "
+                                      "a scale and offset per 32 inputs (llama.cpp's Q4_1 grouping); the lm_head "
+                                      "stays int8. A checkpoint already quantized keeps its own codes",
+                                      choices=["int8", "int4"])
     cpu_kernels: bool | None = option(None, "CPU: linears, attention, norms and rotary on pdserve's own kernels "
                                       "(default: where they build: AVX2 or AVX-512 and a C++ compiler; "
                                       "PDSERVE_CPU_ISA=avx2|avx512 picks the build); --no-cpu-kernels uses torch's ops")
@@ -407,11 +410,11 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
-        if self.quantization not in (None, "int8"):
-            raise ConfigError(f"quantization must be int8 or unset, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ConfigError(f"quantization must be int8, int4 or unset, got {self.quantization!r}")
         if self.quantization and (self.device != "cpu" or self.cpu_kernels is False):
-            raise ConfigError("--quantization int8 runs on pdserve's CPU linear kernel: it needs --device cpu "
-                             "and --cpu-kernels")
+            raise ConfigError(f"--quantization {self.quantization} runs on pdserve's CPU linear kernels: it needs "
+                             "--device cpu and --cpu-kernels")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must be able to decode in every step, or some would stall
             logging.getLogger("pdserve").warning("max_num_seqs %d capped at max_num_batched_tokens %d",

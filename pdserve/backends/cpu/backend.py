@@ -2,7 +2,8 @@
 and they build.
 
 prepare_model repacks every linear into the kernels' panels (packed_linear.py, on huge pages:
-hugepages.py) and swaps the norms, SwiGLU (GeGLU), RoPE and (for the head sizes its kernels take,
+hugepages.py; the codes of a quantized checkpoint or of --quantization int4|int8 stay 4/8-bit:
+quant_linear.py) and swaps the norms, SwiGLU (GeGLU), RoPE and (for the head sizes its kernels take,
 soft-capped or not) the paged attention onto the kernels (layers.py). Once the KV cache is bound, the layers run as one
 C++ call (stack.py), built from the recipe the model declares (models/decoder_spec.py); a model the
 stack cannot run keeps its modules, layer by layer, and the log says why in one line. A greedy
@@ -17,6 +18,7 @@ from pdserve.backends.cpu import hugepages, kernels
 from pdserve.backends.cpu.layers import use_kernel_layers
 from pdserve.backends.cpu.metadata import build_step_metadata
 from pdserve.backends.cpu.packed_linear import PackedLinear, pack_model
+from pdserve.backends.cpu.quant_linear import QuantLinear
 from pdserve.backends.cpu.stack import Unsupported, build_stack, rotary_tables
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.layers.attention import attention_context, build_metadata
@@ -40,7 +42,13 @@ class CpuBackend(Backend):
         m = self.model_config
         pack_model(model, self.weight_format, embed_module_name(m) if m.tie_word_embeddings else None)
         use_kernel_layers(model, attention=self.attention_kernels)
-        self.fused_argmax = isinstance(model.lm_head, PackedLinear)
+        self.fused_argmax = isinstance(model.lm_head, PackedLinear)   # a quantized lm_head: argmax of its logits
+        formats = {m.fmt for n, m in model.named_modules()
+                   if isinstance(m, (PackedLinear, QuantLinear)) and n != "lm_head"}
+        self.linear_formats = f"{', '.join(sorted(formats)) or self.weight_format} packed linears"
+        head = getattr(model, "lm_head", None)
+        if isinstance(head, (PackedLinear, QuantLinear)) and head.fmt not in formats:
+            self.linear_formats += f" (lm_head {head.fmt})"
 
     def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
         # marked for huge pages before zeroing touches it (hugepages.py)
@@ -89,7 +97,7 @@ class CpuBackend(Backend):
         return model.lm_head.argmax(hidden)   # PackedLinear.argmax: the fused reduction
 
     def describe(self) -> str:
-        linears = f"{self.weight_format} packed linears"
+        linears = self.linear_formats
         attention = "attention kernels" if self.attention_kernels else "torch attention"
         layers = "the decoder stack" if self.stack is not None else "modules layer by layer"
         return f"cpu backend: {kernels.kernel_path()}, {linears}, {attention}, {layers}"

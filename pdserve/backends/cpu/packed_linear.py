@@ -12,6 +12,8 @@ from torch import nn
 
 from pdserve.backends.cpu import hugepages
 from pdserve.backends.cpu.kernels import cpu_ops, cpu_supports_bf16_dot
+from pdserve.backends.cpu.quant_linear import INT4_GROUP, QuantLinear, round_to_nearest
+from pdserve.layers.quantized import GroupQuantized
 
 PANEL, TILE = 16, 64   # channels per panel; the kernel works on 4 panels at a time
 _NO_COUNTS = torch.empty(0, dtype=torch.long)   # the screened argmax's per-row candidate counts: not wanted
@@ -102,7 +104,7 @@ class PackedLinear(nn.Module):
 class TiedPackedEmbedding(nn.Module):
     """The input embedding of a tied model, reading the packed lm_head: one copy of the matrix."""
 
-    def __init__(self, lm_head: PackedLinear, dtype: torch.dtype):
+    def __init__(self, lm_head: "PackedLinear | QuantLinear", dtype: torch.dtype):
         super().__init__()
         self.lm_head, self.dtype = [lm_head], dtype   # a list: not a submodule, no second registration
 
@@ -111,19 +113,39 @@ class TiedPackedEmbedding(nn.Module):
 
 
 def pack_model(model: nn.Module, fmt: str, embed_name: str | None) -> nn.Module:
-    """Replace every nn.Linear by a PackedLinear (the lm_head with its argmax screen, where it can
-    have one); a tied embedding `embed_name` then reads the packed lm_head. Frees each original
-    weight as it goes, so peak memory grows by one matrix only. The packed weights share one
-    arena: all on huge pages, not only each one's aligned middle (hugepages.py)."""
+    """Replace every nn.Linear by a packed one. A linear whose checkpoint was quantized (its `quant`):
+    a QuantLinear on its own codes, whatever fmt says (the other linears of such a checkpoint keep
+    the model's dtype). fmt "int4": the layers' linears as 4-bit codes made at load, groups of 32;
+    "int8": 8-bit codes, one scale per output channel; both on the group kernel (quant_linear.py),
+    the lm_head a PackedLinear int8 (its fused argmax; llama.cpp's Q4_K_M keeps its output matrix at
+    6 bits too). Else a PackedLinear in fmt (the lm_head with its argmax screen, where it can have
+    one). A tied embedding `embed_name` then reads the packed lm_head. Frees each original weight as
+    it goes, so peak memory grows by one matrix only. The packed weights share one arena: all on
+    huge pages, not only each one's aligned middle (hugepages.py)."""
     tied = embed_name is not None
     dtype = next(model.parameters()).dtype
     arena = hugepages.Arena()
     # names, not modules: holding every nn.Linear in a list would keep all original weights alive
     # until the loop ends (peak memory: the whole model twice)
-    for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if any(isinstance(getattr(model.get_submodule(n), "quant", None), GroupQuantized) for n in names):
+        fmt = "bf16" if dtype == torch.bfloat16 else "fp32"   # a quantized checkpoint: its own codes
+    for name in names:
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, attr, PackedLinear(getattr(owner, attr), fmt, screen=name == "lm_head", arena=arena))
+        linear = getattr(owner, attr)
+        codes = getattr(linear, "quant", None)
+        if codes is None and name != "lm_head":
+            if fmt == "int4" and linear.in_features % INT4_GROUP == 0:
+                codes = round_to_nearest(linear.weight.detach(), 4, INT4_GROUP)
+            elif fmt == "int8":   # per output channel: one group of K
+                codes = round_to_nearest(linear.weight.detach(), 8, linear.in_features)
+        if codes is not None:
+            packed = QuantLinear(linear, codes, arena)
+        else:
+            packed = PackedLinear(linear, "int8" if fmt == "int4" else fmt, screen=name == "lm_head", arena=arena)
+        del linear, codes
+        setattr(owner, attr, packed)
     if tied:
         parent, _, attr = embed_name.rpartition(".")
         setattr(model.get_submodule(parent), attr, TiedPackedEmbedding(model.lm_head, dtype))

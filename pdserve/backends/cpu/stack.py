@@ -9,6 +9,7 @@ from torch import nn
 
 from pdserve.backends.cpu.kernels import cpu_ops
 from pdserve.backends.cpu.packed_linear import PackedLinear
+from pdserve.backends.cpu.quant_linear import QuantLinear
 from pdserve.layers.attention import PagedAttention
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
@@ -32,11 +33,13 @@ def _norm(m: nn.Module, name: str) -> tuple[str, float, dict[str, torch.Tensor]]
 
 
 def _linear(m: nn.Module, name: str) -> dict[str, torch.Tensor]:
-    if not isinstance(m, PackedLinear):
+    if not isinstance(m, (PackedLinear, QuantLinear)):
         raise Unsupported(f"{name} is a {type(m).__name__}, not a packed linear")
     tensors = {f"{name}.packed": m.packed}
     if m.scale.numel():
         tensors[f"{name}.scale"] = m.scale
+    if isinstance(m, QuantLinear) and m.offset.numel():
+        tensors[f"{name}.offset"] = m.offset
     if m.bias is not None:
         tensors[f"{name}.bias"] = m.bias.detach().float()
     return tensors

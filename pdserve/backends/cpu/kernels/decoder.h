@@ -33,9 +33,10 @@ struct AttentionStep {
 void write_cache(const torch::Tensor& cache, const torch::Tensor& x, const torch::Tensor& slots);
 
 // One decoder layer's linear: its packed weight, its per-channel scale (empty unless int8), its fp32
-// bias (empty: none) and its output width n.
+// bias (empty: none) and its output width n. Group-quantized codes (quant_linear_cpu.cpp): packed
+// uint8 (4-bit) or int8 with a (Npad/16, groups, 16) scale, and an offset of that shape (empty: none).
 struct StackLinear {
-  torch::Tensor packed, scale, bias;
+  torch::Tensor packed, scale, bias, offset;
   int64_t n = 0;
 };
 // A norm's fp32 weight and bias (empty: none); on: the recipe has this norm (a LayerNorm without
@@ -74,7 +75,7 @@ struct StackLayer {
 // Each layer is a dict of the names below (a missing optional one: none); the constructor checks
 // every name and shape and throws ValueError on any it cannot run.
 //   <norm>.weight, <norm>.bias for each norm of `norms`,
-//   {qkv,o,up,down}.packed, {qkv,o,up,down}.scale, {qkv,o,up,down}.bias, k_cache, v_cache
+//   {qkv,o,up,down}.packed, {qkv,o,up,down}.scale, {qkv,o,up,down}.bias, {qkv,o,up,down}.offset, k_cache, v_cache
 class DecoderStack {
  public:
   DecoderStack(const std::vector<std::map<std::string, torch::Tensor>>& layers,

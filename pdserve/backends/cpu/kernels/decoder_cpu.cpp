@@ -38,11 +38,16 @@ void add_bias(torch::Tensor& y, const torch::Tensor& bias) {
   });
 }
 
-// A PackedLinear's forward (backends/cpu/packed_linear.py) for fp32 activations: k-pair panels (32
-// wide) take the rows in bf16.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                     const torch::Tensor& bias, int64_t n) {
-  auto y = packed.size(2) == 32 ? packed_linear_bf16_pairs(x.to(at::kBFloat16), packed) : packed_linear(x, packed, scale);
+// A PackedLinear's (or QuantLinear's) forward (backends/cpu/packed_linear.py, quant_linear.py) for
+// fp32 activations: k-pair panels (32 wide) take the rows in bf16; group-quantized codes have a
+// 3-D scale.
+torch::Tensor linear(const torch::Tensor& x, const StackLinear& l) {
+  const auto& packed = l.packed;
+  auto y = packed.size(2) == 32   ? packed_linear_bf16_pairs(x.to(at::kBFloat16), packed)
+           : l.scale.dim() == 3   ? quant_linear(x, packed, l.scale, l.offset)
+                                  : packed_linear(x, packed, l.scale);
+  const int64_t n = l.n;
+  const auto& bias = l.bias;
   if (y.size(1) != n) y = y.narrow(1, 0, n).contiguous();
   if (bias.numel()) add_bias(y, bias);
   return y;
@@ -93,13 +98,34 @@ torch::Tensor fp32_vector(const torch::Tensor& t, int64_t n, const std::string& 
   return t;
 }
 
-// A linear of `k` inputs and `n` outputs: 16-channel panels (N/16, K, 16), or k-pair panels
-// (N/16, K/2, 32) of bf16 (packed_linear.py's layouts).
+// A linear of `k` inputs and `n` outputs: 16-channel panels (N/16, K, 16), k-pair panels
+// (N/16, K/2, 32) of bf16 (packed_linear.py's layouts), or group-quantized codes: (N/16, K/2, 16)
+// uint8 or (N/16, K, 16) int8 with (N/16, groups, 16) scales and offsets (quant_linear.py's).
 StackLinear take_linear(const std::map<std::string, torch::Tensor>& t, const std::string& name, int64_t k, int64_t n) {
-  StackLinear l{take(t, name + ".packed", true), take(t, name + ".scale", false), take(t, name + ".bias", false), n};
+  StackLinear l{take(t, name + ".packed", true), take(t, name + ".scale", false), take(t, name + ".bias", false),
+                take(t, name + ".offset", false), n};
   const auto& p = l.packed;
   TORCH_CHECK_VALUE(p.dim() == 3 && (p.size(2) == 16 || (p.size(2) == 32 && p.scalar_type() == at::kBFloat16)),
                     name, ".packed is not a packed weight");
+  const bool grouped = l.scale.defined() && l.scale.dim() == 3;
+  TORCH_CHECK_VALUE(grouped || p.scalar_type() != at::kByte, name, ": 4-bit codes need their group scales");
+  if (grouped) {
+    TORCH_CHECK_VALUE(p.scalar_type() == at::kByte || p.scalar_type() == at::kChar, name,
+                      ": group scales for codes of ", p.scalar_type());
+    const int64_t inputs = p.scalar_type() == at::kByte ? 2 * p.size(1) : p.size(1);
+    TORCH_CHECK_VALUE(inputs == k && p.size(0) * 16 >= n, name, " must take ", k, " inputs to ", n, " outputs, got ",
+                      inputs, " to ", p.size(0) * 16);
+    TORCH_CHECK_VALUE(l.scale.size(0) == p.size(0) && l.scale.size(2) == 16 && l.scale.size(1) > 0 &&
+                      k % l.scale.size(1) == 0 && l.scale.scalar_type() == at::kFloat && l.scale.is_contiguous(),
+                      name, ".scale is not (N/16, groups, 16) fp32");
+    if (!l.offset.defined()) l.offset = torch::empty({0});
+    TORCH_CHECK_VALUE(l.offset.numel() == 0 || l.offset.sizes() == l.scale.sizes(), name, ".offset is not shaped as ",
+                      name, ".scale");
+    l.bias = fp32_vector(l.bias, n, name + ".bias");
+    if (!l.bias.defined()) l.bias = torch::empty({0});
+    return l;
+  }
+  TORCH_CHECK_VALUE(!l.offset.defined(), name, ".offset without group scales");
   const int64_t inputs = p.size(2) == 32 ? 2 * p.size(1) : p.size(1);
   TORCH_CHECK_VALUE(inputs == k && p.size(0) * 16 >= n, name, " must take ", k, " inputs to ", n, " outputs, got ",
                     inputs, " to ", p.size(0) * 16);
@@ -208,9 +234,12 @@ DecoderStack::DecoderStack(const std::vector<std::map<std::string, torch::Tensor
     TORCH_CHECK_VALUE(pre_norm_ || !has(role), role, " is for pre-norm stacks");
   TORCH_CHECK_VALUE(rms_ || !(has("q_norm") || has("k_norm")), "q_norm and k_norm are RMSNorms: the stack's norm must be rms");
   const auto& qkv = take(layers[0], "qkv.packed", true);
-  hidden_ = qkv.dim() == 3 ? (qkv.size(2) == 32 ? 2 * qkv.size(1) : qkv.size(1)) : 0;
-  std::vector<std::string> known = {"qkv.packed", "qkv.scale", "qkv.bias", "o.packed", "o.scale", "o.bias", "up.packed",
-                                    "up.scale", "up.bias", "down.packed", "down.scale", "down.bias", "k_cache", "v_cache"};
+  // k-pairs of bf16 and 4-bit codes (two to a byte) hold two inputs per k-step
+  const bool pairs = qkv.dim() == 3 && (qkv.size(2) == 32 || qkv.scalar_type() == at::kByte);
+  hidden_ = qkv.dim() == 3 ? (pairs ? 2 * qkv.size(1) : qkv.size(1)) : 0;
+  std::vector<std::string> known = {"k_cache", "v_cache"};
+  for (const char* l : {"qkv", "o", "up", "down"})
+    for (const char* part : {".packed", ".scale", ".bias", ".offset"}) known.push_back(std::string(l) + part);
   for (const auto& n : norms) {
     known.push_back(n + ".weight");
     if (n != "q_norm" && n != "k_norm") known.push_back(n + ".bias");
@@ -304,7 +333,7 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, const std::vector<torch::Te
     // pre-norm (Llama, OPT-125m): the norm of the stream before each block, the block's output
     // added at the next norm; post-norm (OPT-350m): x = norm(x + block(x)) after each block
     torch::Tensor h = pre_norm_ ? enter(x, residual, w.attn_norm, i == 0) : x;
-    auto qkv = linear(h, w.qkv.packed, w.qkv.scale, w.qkv.bias, w.qkv.n);
+    auto qkv = linear(h, w.qkv);
     auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
     auto k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
     auto v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
@@ -318,8 +347,7 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, const std::vector<torch::Te
       rms_norm_heads_(k.view({T, Hkv * D / n, n}), w.k_norm.weight, eps_);
     }
     if (w.rotary >= 0) rotary_embedding(q, k, cos[w.rotary], sin[w.rotary]);
-    auto o = linear(attention(q, k, v, w.k_cache, w.v_cache, step, scale_, w.window, softcap_), w.o.packed, w.o.scale,
-                    w.o.bias, w.o.n);
+    auto o = linear(attention(q, k, v, w.k_cache, w.v_cache, step, scale_, w.window, softcap_), w.o);
     if (pre_norm_) {
       o = leave(o, w.post_attn_norm);
       h = enter(o, residual, w.mlp_norm, false);
@@ -327,10 +355,10 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, const std::vector<torch::Te
       x = norm(x + o, w.attn_norm);
       h = x;
     }
-    auto u = linear(h, w.up.packed, w.up.scale, w.up.bias, w.up.n);
+    auto u = linear(h, w.up);
     u = act_ == "silu_and_mul" ? silu_and_mul(u) : act_ == "gelu_tanh_and_mul" ? gelu_tanh_and_mul(u)
         : act_ == "relu" ? at::relu(u) : act_ == "gelu" ? at::gelu(u) : at::silu(u);
-    auto d = linear(u, w.down.packed, w.down.scale, w.down.bias, w.down.n);
+    auto d = linear(u, w.down);
     x = pre_norm_ ? leave(d, w.post_mlp_norm) : norm(x + d, w.mlp_norm);
   }
   if (!pre_norm_) return x;

@@ -64,6 +64,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_bf16_pairs", &packed_linear_bf16_pairs,
         "y = x @ W^T, bf16 x and W in k-pair panels, AVX512-BF16 dot products (linear_cpu.cpp; AVX-512 build)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear", &quant_linear,
+        "y = x @ W^T with W group-quantized (4/8-bit codes, scale, offset) in 16-channel panels (quant_linear_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("packed_rows", &packed_rows, "rows W[ids] of a packed weight, fp32 (linear_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear_argmax", &packed_linear_argmax,
