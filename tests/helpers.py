@@ -76,11 +76,11 @@ def chunked_logits(engine, ids: list[int], chunk: int) -> torch.Tensor:
 CHUNK_ATOL = 3e-4
 
 
-def assert_last_position_logits_match(llm, path: str, lens=(1, 17, 200)) -> None:
-    """Each prompt's last-position logits, prefilled whole, equal transformers' within 1e-4."""
+def assert_last_position_logits_match(llm, path: str, lens=(1, 17, 200), atol: float = 1e-4) -> None:
+    """Each prompt's last-position logits, prefilled whole, equal transformers' within atol."""
     for prompt in corpus_prompts(llm.tokenizer, lens=list(lens)):
         ours = chunked_logits(llm.engine, prompt, chunk=len(prompt))[-1]
-        torch.testing.assert_close(ours, hf_logits(path, prompt)[-1], atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours, hf_logits(path, prompt)[-1], atol=atol, rtol=0)
 
 
 def assert_decode_equals_recompute(llm, path: str, prompt_len: int, atol: float = CHUNK_ATOL) -> None:

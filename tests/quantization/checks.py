@@ -59,4 +59,7 @@ def assert_engine_matches_transformers(path: str, reference: str, **engine_kwarg
         # transformers' greedy choice after each prefix (its generate would stop at EOS)
         ref = hf_logits(reference, prompt + out.token_ids)[len(prompt) - 1:-1].argmax(-1).tolist()
         assert out.token_ids == ref
-    assert_last_position_logits_match(llm, reference, lens=(1, 33))
+    # the CPU kernels' group codes sum x*q per group, then scale and add offset * sum(x): another
+    # fp32 order than transformers' dense product, measured up to 1.03e-4; a wrong code, scale or
+    # offset moves a logit by 1e-2 and more
+    assert_last_position_logits_match(llm, reference, lens=(1, 33), atol=3e-4)
