@@ -9,8 +9,9 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.moe import SparseMoeBlock
-from pdserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant, swiglu_variant, windows_of
+from pdserve.models.llama import LlamaMLP, LlamaVariant, swiglu_variant, windows_of
 from pdserve.models.moe_llama import MoEDecoderLayer, MoEForCausalLM, num_experts_of, non_negative_int, routing_of, sparse_layers
+from pdserve.models.qwen2_moe import Qwen2MoeForCausalLM
 
 
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):
@@ -26,10 +27,7 @@ class Qwen3MoeDecoderLayer(MoEDecoderLayer):
 class Qwen3MoeForCausalLM(MoEForCausalLM):
     layer_class = Qwen3MoeDecoderLayer
 
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        fields = LlamaForCausalLM.config_fields(raw)   # transformers' defaults where config.json says nothing
-        return dict(fields, max_position_embeddings=raw.get("max_position_embeddings", 32768))
+    config_fields = staticmethod(Qwen2MoeForCausalLM.config_fields)   # the same defaults
 
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:

@@ -23,7 +23,7 @@ from pdserve.layers.moe import FusedMoE, Routing, SparseMoeBlock, select_experts
 from pdserve.models import ARCHITECTURES
 from tests.conftest import KERNEL_ISAS
 from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_last_position_logits_match,
-                           corpus_prompts, hf_greedy)
+                           assert_outputs_survive_cache_preemption_and_speculation, corpus_prompts, hf_greedy)
 
 NEW_TOKENS = 12
 # make_model's tiny checkpoints (tools/make_model.py): 8 experts, top 2, windows of 16 (Qwen2-MoE's
@@ -99,21 +99,7 @@ def test_decode_with_cache_equals_recompute(llm, model_path):
 
 
 def test_prefix_cache_preemption_and_speculation_keep_outputs(model_path, cpu_kernels):
-    """Prompts that share a 48-token prefix, a KV cache too small for all of them at once, and
-    n-gram drafts verified in every step: each output is still transformers' greedy one."""
-    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
-    llm = LLM(model_path, cpu_kernels=cpu_kernels, num_kv_blocks=9, block_size=16, max_num_batched_tokens=64,
-              speculative_config=spec)
-    llm.engine.speculator.cost_model = None   # propose in every step, whatever the cost model says
-    system, *questions = corpus_prompts(llm.tokenizer, lens=[48, 9, 30, 3, 50, 20, 41, 7])
-    prompts = [system + q for q in questions]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == reference(model_path, tuple(prompt)), f"prompt of {len(prompt)} tokens"
-    assert sum(o.metrics.num_preemptions for o in outs) > 0
-    assert sum(o.num_cached_tokens for o in outs) > 0 and llm.engine.block_manager.num_hits > 0
-    assert llm.engine.speculator.stats.num_draft_tokens > 0
-    llm.engine.block_manager.check_all_free()
+    assert_outputs_survive_cache_preemption_and_speculation(model_path, cpu_kernels, reference, NEW_TOKENS)
 
 
 # ---------------------------------------------------------------- the MoE layer against transformers' modules
