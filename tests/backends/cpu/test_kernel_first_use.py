@@ -1,6 +1,7 @@
 """The kernels' first use as a user meets it: processes that build at once share one build, each
 with a visible line; without a compiler, one warning and torch's ops. A one-function stand-in for
 the kernels (plain Python C API) keeps each build short."""
+import fcntl
 import os
 import subprocess
 import sys
@@ -37,16 +38,28 @@ def _tiny_load(tmp_path, env_extra=None):
                             env=env)
 
 
-def test_two_processes_building_at_once_both_load_one_build(tmp_path):
-    # a server started while the tests build: neither fails nor overwrites the other's build
-    first, second = _tiny_load(tmp_path), _tiny_load(tmp_path)
+def test_two_processes_building_at_once_both_load_one_build(tmp_path, monkeypatch):
+    # a server started while the tests build: neither fails nor overwrites the other's build. The
+    # build's flock is held here until both processes wait on it, so they meet the build at once
+    # however fast the machine starts them and compiles (the stand-in compiles in under a second).
+    monkeypatch.setattr(kernels, "SOURCES", [str(tmp_path / "tiny.cpp")])
+    monkeypatch.setattr(kernels, "HEADERS", [])
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    (tmp_path / "tiny.cpp").write_text(TINY)
+    directory = kernels.build_directory(kernels.build_name(kernels.selected_isa()))
+    os.makedirs(directory)
+    with open(directory + ".flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        first, second = _tiny_load(tmp_path), _tiny_load(tmp_path)
+        heard = [p.stderr.readline() for p in (first, second)]   # each one's first line: it waits
+        fcntl.flock(held, fcntl.LOCK_UN)
+    assert all("waiting for another process's build" in line for line in heard), heard
     outs = [p.communicate(timeout=900) for p in (first, second)]
     assert [p.returncode for p in (first, second)] == [0, 0], outs
     answers = [out.split() for out, _ in outs]
     assert answers[0][0] == answers[1][0] == "42" and answers[0][1] == answers[1][1]
     logs = outs[0][1] + outs[1][1]
     assert logs.count("compiling pdserve's CPU kernels") == 1   # one built, with a visible line
-    assert "waiting for another process's build" in logs
 
 
 def test_without_a_compiler_one_warning_and_torch_ops(tmp_path):
