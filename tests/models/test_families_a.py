@@ -13,11 +13,9 @@ import torch
 import transformers
 
 from pdserve import LLM, SamplingParams
-from pdserve.backends.cpu import kernels
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
 from pdserve.models import ARCHITECTURES
-from tests.conftest import KERNEL_ISAS
 from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_last_position_logits_match,
                            assert_outputs_survive_cache_preemption_and_speculation, chunked_logits, corpus_prompts,
                            hf_greedy, hf_logits)
@@ -40,22 +38,12 @@ VARIANTS = {
     "ministral3": ("ministral3", {"sliding_window": 16}),   # q scaled from position 64 on, every layer windowed
     "ministral3-yarn": ("ministral3", {"rope_parameters": YARN}),
 }
-RUNS = [("torch", None)] + [("kernels", isa) for isa in KERNEL_ISAS]
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def model_path(request, make_tiny):
     arch, overrides = VARIANTS[request.param]
     return make_tiny(arch, **overrides)
-
-
-@pytest.fixture(scope="module", params=RUNS, ids=[k if isa is None else isa for k, isa in RUNS])
-def cpu_kernels(request) -> bool:
-    """torch's ops (--no-cpu-kernels), then each kernel build this CPU runs."""
-    kind, isa = request.param
-    kernels.use_isa(isa)
-    yield kind == "kernels"
-    kernels.use_isa(None)
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.backends.cpu import kernels
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
 from pdserve.layers.moe import FusedMoE, Routing, SparseMoeBlock, select_experts
 from pdserve.models import ARCHITECTURES
-from tests.conftest import KERNEL_ISAS
 from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_last_position_logits_match,
                            assert_outputs_survive_cache_preemption_and_speculation, corpus_prompts, hf_greedy)
 
@@ -29,21 +27,11 @@ NEW_TOKENS = 12
 # make_model's tiny checkpoints (tools/make_model.py): 8 experts, top 2, windows of 16 (Qwen2-MoE's
 # layer 0) or 48 tokens (every layer of Qwen3-MoE and Mixtral)
 FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral"]
-RUNS = [("torch", None)] + [("kernels", isa) for isa in KERNEL_ISAS]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model_path(request, make_tiny):
     return make_tiny(request.param)
-
-
-@pytest.fixture(scope="module", params=RUNS, ids=[k if isa is None else isa for k, isa in RUNS])
-def cpu_kernels(request) -> bool:
-    """torch's ops (--no-cpu-kernels), then each kernel build this CPU runs."""
-    kind, isa = request.param
-    kernels.use_isa(isa)
-    yield kind == "kernels"
-    kernels.use_isa(None)
 
 
 @pytest.fixture(scope="module")
