@@ -45,7 +45,8 @@ MARKER = ".pdserve-installed"
 # llama.cpp's name for the pre-tokenizer of each model family as `python -m tools.make_model` writes it
 # (its tokenizer is trained locally, so the converter's hash lookup cannot recognise it).
 PRE_TOKENIZERS = {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe", "mistral": "llama-bpe", "opt": "gpt-2",
-                  "olmo2": "llama-bpe", "granite": "llama-bpe"}
+                  "olmo2": "llama-bpe", "granite": "llama-bpe", "gemma2": "llama-bpe", "gemma3": "llama-bpe",
+                  "gemma3_text": "llama-bpe"}
 
 
 def run_logged(step: str, cmd: list[str], log_path: str, env: dict | None = None, cwd: str | None = None,

@@ -57,7 +57,7 @@ from pdserve.errors import CheckpointError
 ARCHS = ("opt", "llama", "qwen2", "mistral", "gemma2", "gemma3", "phi3")
 ARCHS += ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")
 ARCHS += ("qwen2_moe", "qwen3_moe", "mixtral")
-SIZES = ("tiny", "0.5b")
+SIZES = ("tiny", "0.5b", "hub")
 INIT_GAIN = 2.0  # weight matrices: std = INIT_GAIN / sqrt(fan_in), 0.25 at width 64
 EMBED_GAIN = 8.0  # embeddings and lm_head: std = EMBED_GAIN / sqrt(dim), 1.0 at 64; sets the logit scale
 ONE_D_STD = 0.1  # spread of biases and norm weights
@@ -125,6 +125,18 @@ for _arch in ("olmo2", "granite", "smollm3", "ministral", "ministral3", "mixtral
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, opt_ffn=256, max_pos=1024, vocab=1500)
 QWEN05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, opt_ffn=4864, max_pos=32768,
                vocab=32000, model_vocab=151936, rope_theta=1000000.0)
+# `--size hub`: the smallest Hub model of a family at its real shape (config.json of Qwen/Qwen3-0.6B and
+# google/gemma-3-1b-it), for benchmarks at the shapes people download; the tokenizer stays the 32k one.
+HUB_SHAPES = {
+    "qwen3": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
+                  rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False, max_window_layers=28),
+    "gemma3": dict(hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                   head_dim=256, intermediate_size=6912, vocab_size=262144, max_position_embeddings=32768,
+                   query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0,
+                   rope_local_base_freq=10000.0, final_logit_softcapping=None, attn_logit_softcapping=None,
+                   tie_word_embeddings=True),
+}
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -353,6 +365,10 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
         raise CheckpointError(f"{out_dir}: unknown --arch {arch!r} (choose from {', '.join(ARCHS)})")
     if size not in SIZES:
         raise CheckpointError(f"{out_dir}: unknown --size {size!r} (choose from {', '.join(SIZES)})")
+    if size == "hub":
+        if arch not in HUB_SHAPES:
+            raise CheckpointError(f"{out_dir}: no --size hub shape for {arch!r} (have: {', '.join(HUB_SHAPES)})")
+        config_overrides = {**HUB_SHAPES[arch], **config_overrides}
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir}: exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir):

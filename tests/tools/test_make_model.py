@@ -194,6 +194,20 @@ def test_half_billion_shape_without_building_it():
     assert 490e6 < sum(p.numel() for p in model.parameters()) < 500e6
 
 
+@pytest.mark.parametrize("arch, total, non_embedding", [("qwen3", 596e6, 440e6), ("gemma3", 1000e6, 698e6)])
+def test_hub_shapes_without_building_them(arch, total, non_embedding):
+    # `--size hub`: Qwen3-0.6B's and Gemma-3-1B's published shapes (0.6B with 0.44B non-embedding; 1B)
+    from tools.make_model import HUB_SHAPES, MODEL_CLASSES
+    cfg = build_config(arch, "hub", 151936, {"bos": 2, "eos": 1, "pad": 0}, HUB_SHAPES[arch])
+    with torch.device("meta"):
+        model = getattr(transformers, MODEL_CLASSES[arch])(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    assert abs(n - total) / total < 0.01 and abs(n - emb - non_embedding) / non_embedding < 0.01
+    with pytest.raises(CheckpointError, match="no --size hub shape"):
+        make_model("/nonexistent-dir-for-test", "opt", size="hub")
+
+
 # ---------------------------------------------------------------- the bundled default model
 
 def test_default_model_is_small_and_loads():
