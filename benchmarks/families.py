@@ -142,6 +142,17 @@ def fmt(x, spec: str = ".1f") -> str:
     return format(x, spec) if isinstance(x, (int, float)) else "-"
 
 
+def reason(error: str) -> str:
+    """The line of a start failure that says why (the server's own error, not our wrapper's)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    why = [ln for ln in lines if "rror" in ln and not ln.startswith(("start ", "raise"))]
+    return (why[0] if why else lines[0] if lines else "?")[:160].replace("|", "/")
+
+
+def failed(run: dict) -> str:
+    return "" if run.get("status", "ok") == "ok" else f" ({run['status']})"
+
+
 def table(recs: list[dict]) -> str:
     """One row per (checkpoint, dtype, system); pdserve's c32 ratio to each peer in the same group."""
     lines = ["| checkpoint | dtype | system | time to ready s | c32 output tok/s | c32 TPOT ms | c1 TPOT ms "
@@ -156,9 +167,9 @@ def table(recs: list[dict]) -> str:
         rl = r.get("read_line", {})
         line = (f"{rl['ratio_median']:.2f}x ({rl['step_ms']:.1f} / {rl['read_ms']:.1f} ms)"
                 if rl.get("status") == "ok" else rl.get("status", "-"))
-        status = "" if r.get("status") == "ok" else f" ({r.get('status')}: {str(r.get('error', '')).splitlines()[0][:80]})"
+        status = "" if r.get("status") == "ok" else f" ({r.get('status')}: {reason(r.get('error', ''))})"
         lines.append(f"| {r['model']} | {r['dtype']} | {r['system']}{status} | {fmt(r.get('ready_s'))} "
-                     f"| {fmt(c32.get('output_throughput'))} | {fmt(c32.get('mean_tpot_ms'))} "
+                     f"| {fmt(c32.get('output_throughput'))}{failed(r.get('c32', {}))} | {fmt(c32.get('mean_tpot_ms'))} "
                      f"| {fmt(c1.get('mean_tpot_ms'))} | {ratio} | {line} |")
     return "\n".join(lines)
 

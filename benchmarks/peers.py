@@ -138,7 +138,8 @@ def vllm_command(venv: str, model: str, port: int, served_name: str, max_model_l
 
 def vllm_env(peers_dir: str, kv_cache_gib: int = 4) -> dict:
     env = dict(os.environ)
-    env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+    # a VLLM_CPU_KVCACHE_SPACE the user set wins: on a machine whose memory others use, 4 GiB may not fit
+    env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib)), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                VLLM_CACHE_ROOT=os.path.join(peers_dir, "vllm-cache"))
     return env
