@@ -16,7 +16,7 @@ import os
 import ray
 from ray import serve
 
-from pdserve.server.admission import ServerConfig
+from pdserve.server.config import ServerConfig
 
 
 class EngineReplica:

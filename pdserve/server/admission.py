@@ -4,7 +4,6 @@ import asyncio
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -14,35 +13,11 @@ from pdserve.generation_config import GenerationDefaults
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import reasoning
 from pdserve.server.async_engine import AsyncEngine, EngineThread, Submission
+from pdserve.server.config import ServerConfig
 from pdserve.server.errors import APIError, Overloaded
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.step_events import StepEvents
 
-
-@dataclass
-class ServerConfig:
-    served_model_name: str
-    max_waiting: int = 256
-    max_body_bytes: int = 1 << 20
-    max_stop_strings: int = 16
-    max_stop_length: int = 256           # characters per stop string
-    max_stop_token_ids: int = 256
-    max_prompt_tokens: int | None = None  # None: the engine's own check against max_model_len
-    max_tokens_cap: int | None = None     # None: whatever fits in the context
-    max_n: int = 64
-    max_logprobs: int = 20
-    max_request_cost: int = 1 << 17       # prompts x n x max_tokens x (1 + logprobs) of one request
-    request_timeout: float | None = None  # seconds from arrival; None: no limit
-    api_key: str | None = None
-    tool_call_parser: str | None = None   # pdserve/server/tool_parsers.py; None: tool_choice "auto" is refused
-    reasoning_parser: str | None = None   # pdserve/server/reasoning.py; None: the thinking stays in content
-    max_stored_responses: int = 1000      # /v1/responses kept for previous_response_id (responses_store.py)
-    step_log: str | None = None   # JSONL file: one line per engine step (for `pdserve report`)
-    allowed_hosts: list[str] | None = None   # Host header names accepted; None: any
-    cors_origins: list[str] = field(default_factory=list)   # empty: no CORS headers at all
-    cors_methods: list[str] = field(default_factory=lambda: ["GET", "POST"])
-    cors_headers: list[str] = field(default_factory=lambda: ["Authorization", "Content-Type"])
-    cors_credentials: bool = False
 
 # Texts longer than this are tokenized on a worker thread, so the event loop keeps answering.
 OFFLOAD_CHARS = 4096

@@ -12,7 +12,8 @@ from fastapi.testclient import TestClient
 
 from pdserve.server import openai_api
 from pdserve.server.app import build_app
-from pdserve.server.admission import OFFLOAD_CHARS, ServerConfig
+from pdserve.server.admission import OFFLOAD_CHARS
+from pdserve.server.config import ServerConfig
 from tests.server.fake_engine import FakeEngine, FakeTokenizer
 from tests.server.test_connections import running_app
 
@@ -152,7 +153,7 @@ def test_cors_is_off_by_default_and_follows_the_flags():
         assert "access-control-allow-origin" not in r.headers
         r = c.post("/tokenize", json={"prompt": "x"}, headers={"Origin": "https://app.example"})
         assert "access-control-allow-origin" not in r.headers
-    with client(cors_origins=["https://app.example"], api_key="k") as c:
+    with client(allowed_origins=["https://app.example"], api_key="k") as c:
         r = c.options("/v1/completions", headers=preflight)   # a preflight carries no key
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
         r = c.post("/tokenize", json={"prompt": "x"}, headers={"Origin": "https://app.example",
