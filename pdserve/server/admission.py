@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 
 from pdserve import __version__
+from pdserve.engine.interface import EngineClient, paged
 from pdserve.errors import RequestError
 from pdserve.generation_config import GenerationDefaults
 from pdserve.sampling_params import SamplingParams
@@ -24,13 +25,15 @@ OFFLOAD_CHARS = 4096
 
 
 class ServerState:
-    def __init__(self, engine, config: ServerConfig, engine_thread: EngineThread | None = None):
+    def __init__(self, engine: EngineClient, config: ServerConfig, engine_thread: EngineThread | None = None):
         self.engine = engine
+        self.paged = paged(engine)   # None: a baseline, without a paged KV cache
         self.tokenizer = engine.tokenizer
         self.config = config
         self.max_model_len = engine.max_model_len
         # the longest sequence that can be served: the context, or the whole KV cache if smaller
-        self.max_seq_len = min(self.max_model_len, getattr(engine, "kv_capacity", self.max_model_len))
+        self.max_seq_len = self.max_model_len if self.paged is None else min(self.max_model_len,
+                                                                             self.paged.kv_capacity)
         self.metrics = ServerMetrics(config.step_log, config.served_model_name)
         self.step_events = StepEvents()
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
@@ -113,7 +116,7 @@ class ServerState:
         if k is None:
             return
         self.check_logprobs(k, param)
-        if not getattr(self.engine, "computes_prompt_logprobs", False):
+        if self.paged is None or not self.paged.computes_prompt_logprobs:
             raise RequestError(f"prompt logprobs are not computed by the {getattr(self.engine, 'name', '') or 'this'} "
                                "backend", param=param)
 

@@ -26,8 +26,8 @@ def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None =
         yield
         state.async_engine.stop()
         state.close()
-        if hasattr(engine, "close"):   # the KV listener of a prefill worker
-            engine.close()
+        if state.paged is not None:   # the KV listener of a prefill worker
+            state.paged.close()
 
     # FastAPIOffline: /docs loads Swagger UI from this server, not a CDN (web.py serves /redoc).
     app = FastAPIOffline(title="pdserve", version=state.version, lifespan=lifespan, static_url="/static/docs",

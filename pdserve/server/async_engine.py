@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import Future, wait
 
+from pdserve.engine.interface import EngineClient, paged
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
@@ -174,6 +175,7 @@ class AsyncEngine:
         self._num_engine_waiting = 0
         self._num_engine_running = 0
         self.max_num_seqs = _max_num_seqs(engine)
+        self._paged = paged(engine)
         self._subs: dict[str, Submission] = {}   # request id -> its Submission; loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: Future | None = None   # the engine loop, on self.thread
@@ -276,9 +278,8 @@ class AsyncEngine:
     def _post(self, command) -> None:
         self._commands.append(command)
         self._wake.set()
-        wake = getattr(self.engine, "wake", None)   # a step waiting for a KV pull returns at once
-        if wake is not None:
-            wake()
+        if self._paged is not None:   # a step waiting for a KV pull returns at once
+            self._paged.wake()
 
     # ---- the engine thread
 

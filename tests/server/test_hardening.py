@@ -85,11 +85,10 @@ def test_bytes_that_are_not_utf8_get_400_and_keep_the_connection():
 
 
 def test_a_post_without_body_or_content_type_passes_and_one_with_a_body_does_not():
-    engine = FakeEngine()
-    engine.reset_prefix_cache = lambda: {"reset_blocks": 0, "cached_blocks_in_use": 0}
+    engine = FakePagedEngine()
     with client(engine) as c:
         r = c.post("/reset_prefix_cache")   # what vLLM's clients send: no body, no content type
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200 and engine.resets == 1, r.text
         r = c.post("/reset_prefix_cache", content=b"{}")
         assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
         r = c.post("/v1/completions")   # no body where one is required: a 400, not a 500
