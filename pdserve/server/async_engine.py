@@ -20,6 +20,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.errors import APIError, Overloaded
+from pdserve.server.limits import queue_full
 
 log = logging.getLogger("pdserve.server")
 
@@ -242,9 +243,7 @@ class AsyncEngine:
             raise Overloaded("the server is shutting down", code="shutting_down")
         with self._lock:
             if not self._has_room(len(request_ids)):
-                waiting = self._num_posted + self._num_engine_waiting
-                raise Overloaded(f"too many requests waiting ({waiting}, --max-waiting {self.max_waiting}); "
-                                 "retry later")
+                raise queue_full(self.max_waiting, self._num_posted + self._num_engine_waiting)
             self._num_posted += len(request_ids)
         sub = Submission(self, request_ids)
         for rid in request_ids:

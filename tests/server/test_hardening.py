@@ -14,7 +14,7 @@ from pdserve.server import openai_api
 from pdserve.server.app import build_app
 from pdserve.server.admission import OFFLOAD_CHARS
 from pdserve.server.config import ServerConfig
-from tests.server.fake_engine import FakeEngine, FakeTokenizer
+from tests.server.fake_engine import FakeEngine, FakePagedEngine, FakeTokenizer
 from tests.server.test_connections import running_app
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
