@@ -59,10 +59,6 @@ class PagedEngine(EngineClient, Protocol):
     def num_kv_leases(self) -> int:
         """Blocks kept for decode workers to pull (a prefill worker's; any thread may read it)."""
 
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """Compiles structured-output specs (thread-safe: handlers check a spec before admitting)."""
-
     def wake(self) -> None:
         """Cut short a step's idle wait (thread-safe: the server calls it when it posts a command)."""
 
@@ -76,3 +72,9 @@ class PagedEngine(EngineClient, Protocol):
 def paged(engine: EngineClient) -> PagedEngine | None:
     """The engine as a PagedEngine, or None (a baseline, a test's stand-in)."""
     return engine if isinstance(engine, PagedEngine) else None
+
+
+def grammars(engine: EngineClient) -> GrammarCompiler | None:
+    """The engine's structured-output compiler (thread-safe: handlers check a spec with it before
+    admitting): LLMEngine's and the baselines' output processor has one, a test's stand-in none."""
+    return getattr(getattr(engine, "processor", None), "grammars", None)

@@ -185,10 +185,6 @@ class LLMEngine:
     def num_kv_leases(self) -> int:
         return len(self.connector.leases or ()) if self.connector is not None else 0
 
-    @property
-    def grammars(self):
-        return self.processor.grammars
-
     def abort_request(self, request_id: str) -> None:
         """Free everything the request holds; its final output comes from the next step()."""
         seq = self.seqs.get(request_id)

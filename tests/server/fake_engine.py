@@ -120,11 +120,10 @@ class FakeEngine:
 
 class FakePagedEngine(FakeEngine):
     """A FakeEngine that is a PagedEngine (engine/interface.py): the endpoints a paged KV cache
-    allows are open; prompt logprobs and grammars are still refused."""
+    allows are open; prompt logprobs and grammars (it has no output processor) are still refused."""
     computes_prompt_logprobs = False
     config = None
     last_schedule = None
-    grammars = None
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -7,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.baselines import BACKENDS
-from pdserve.engine.interface import EngineClient, PagedEngine, paged
+from pdserve.engine.interface import EngineClient, PagedEngine, grammars, paged
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.server.app import build_app
 from pdserve.server.config import ServerConfig
@@ -28,14 +28,14 @@ def test_llm_engine_has_every_member_of_the_interface(tiny_llama):
     assert paged(engine) is engine
     assert members(PagedEngine) - set(dir(engine)) == set()
     assert (engine.kv_capacity, engine.num_kv_blocks, engine.num_kv_leases) == (128, 8, 0)
-    assert engine.grammars is engine.processor.grammars
+    assert grammars(engine) is engine.processor.grammars
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_a_baseline_is_an_engine_client_without_a_paged_cache(tiny_llama, name):
     engine = BACKENDS[name](tiny_llama)
     assert members(EngineClient) - set(dir(engine)) == set()
-    assert paged(engine) is None
+    assert paged(engine) is None and grammars(engine) is engine.processor.grammars   # constrained decoding too
 
 
 def test_the_paged_endpoints_follow_the_interface():
