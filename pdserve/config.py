@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.arg_types import option
 from pdserve.checkpoint_files import checkpoint_file
 from pdserve.errors import CheckpointError, ConfigError
 from pdserve.quantization.config import HubQuantization, read_quantization
@@ -258,13 +259,6 @@ def _check_rope(p: dict, head_dim: int, where: str):
         if p["rope_type"] == "longrope" and not (isinstance(v, list) and len(v) == dim // 2 and all(
                 not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf") for x in v)):
             raise CheckpointError(f"{where}: {key} must be {dim // 2} positive numbers (one per rotated pair)")
-
-
-def option(default, help: str, repr: bool = True, **argparse_kwargs):
-    """A config field that is also a command-line flag (--field-name), its help shown by --help:
-    pdserve/engine/args.py generates the flags from these. `min` bounds an integer from below
-    (`note` is added to that error); repr=False keeps a secret out of the config's repr."""
-    return field(default=default, repr=repr, metadata=dict(help=help, **argparse_kwargs))
 
 
 @dataclass

@@ -1,37 +1,13 @@
 """Engine options shared by every command that builds an engine (serve, generate, roofline):
-one flag per EngineConfig field declared with config.option, so a new engine setting is one
+one flag per EngineConfig field declared with arg_types.option, so a new engine setting is one
 field there and nothing here."""
 import argparse
-import dataclasses
 import os
 
-from pdserve.arg_types import int_at_least
+from pdserve.arg_types import add_config_args
 from pdserve.config import EngineConfig
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "default-model")
-
-
-def add_config_args(group, config_cls) -> list[str]:
-    """One --flag per field of `config_cls` declared with config.option; returns the field names."""
-    names = []
-    for f in dataclasses.fields(config_cls):
-        meta = dict(f.metadata)
-        if "help" not in meta:
-            continue
-        help_text, low, note = meta.pop("help"), meta.pop("min", None), meta.pop("note", "")
-        kw = dict(default=f.default, **meta)
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        if kind.startswith("bool"):
-            kw["action"] = argparse.BooleanOptionalAction
-        elif kind.startswith("int"):
-            kw["type"] = int if low is None else int_at_least(low, note=note)
-        elif kind.startswith("float"):
-            kw["type"] = float
-        shown = "off" if f.default is None and kind.startswith(("int", "str", "bool")) else "%(default)s"
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
-                           help=f"{help_text} (default: {shown})" if "(default:" not in help_text else help_text, **kw)
-        names.append(f.name)
-    return names
 
 
 ENGINE_FIELDS: list[str] = []

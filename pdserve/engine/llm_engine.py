@@ -35,6 +35,7 @@ IDLE_WAIT_S = 0.01
 
 
 class LLMEngine:
+    """A PagedEngine (engine/interface.py says what its users may call)."""
     computes_prompt_logprobs = True   # SamplingParams.prompt_logprobs (the server asks before it admits)
 
     def __init__(self, model: str, **kwargs):
@@ -175,6 +176,14 @@ class LLMEngine:
     def kv_capacity(self) -> int:
         """The longest sequence (prompt + max_tokens) the whole KV cache holds, in tokens."""
         return self.block_manager.num_blocks * self.block_manager.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def num_kv_leases(self) -> int:
+        return len(self.connector.leases or ()) if self.connector is not None else 0
 
     def abort_request(self, request_id: str) -> None:
         """Free everything the request holds; its final output comes from the next step()."""

@@ -12,22 +12,8 @@ import signal
 import uvicorn
 
 from pdserve.engine.args import check_engine_args, engine_kwargs
-from pdserve.entrypoints.network import allowed_hosts, bind
-
-
-def server_config(args: argparse.Namespace, model_name: str):
-    from pdserve.server.admission import ServerConfig
-    return ServerConfig(served_model_name=args.served_model_name or model_name, max_waiting=args.max_waiting,
-                        max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
-                        max_stop_length=args.max_stop_length,
-                        max_stop_token_ids=args.max_stop_token_ids, max_prompt_tokens=args.max_prompt_tokens,
-                        max_tokens_cap=args.max_tokens_cap, max_n=args.max_n, max_logprobs=args.max_logprobs,
-                        request_timeout=args.request_timeout, api_key=args.api_key or None, step_log=args.step_log,
-                        max_request_cost=args.max_request_cost, allowed_hosts=allowed_hosts(args),
-                        cors_origins=args.allowed_origins, cors_methods=args.allowed_methods,
-                        cors_headers=args.allowed_headers, cors_credentials=args.allow_credentials,
-                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                        max_stored_responses=args.max_stored_responses)
+from pdserve.entrypoints.network import bind
+from pdserve.server.config import ServerConfig
 
 
 class _Server(uvicorn.Server):
@@ -109,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     check_engine_args(args)
     check_reasoning_parser(args)
     engine, engine_thread = build_engine(args)
-    config = server_config(args, engine.model_name)
+    config = ServerConfig.from_args(args, engine.model_name)
     app = build_app(engine, config, engine_thread)
 
     protocol = guarded_protocol(args.header_timeout, args.body_timeout, args.max_connections)

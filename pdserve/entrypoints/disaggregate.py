@@ -21,11 +21,13 @@ import sys
 import threading
 import time
 
+from pdserve.arg_types import option_fields
 from pdserve.errors import ConfigError
 from pdserve.kv_transfer import auth
 from pdserve.kv_transfer.connector import WILDCARD_HOSTS
 from pdserve.entrypoints.serve_args import add_arguments as add_serve_arguments
 from pdserve.proxy.cores import format_cores, split_cores
+from pdserve.server.config import ServerConfig
 
 # serve flags the launcher sets per worker rather than passing on
 OWN = {"disaggregate", "prefill_cores", "decode_cores", "host", "port", "threads", "step_log", "role", "model_dir",
@@ -140,12 +142,17 @@ def wait_ready(workers: list[WorkerProcess], stopping: threading.Event) -> None:
 
 
 def proxy_args(args: argparse.Namespace, prefill: WorkerProcess, decode: WorkerProcess) -> argparse.Namespace:
-    """The proxy's flags: its listening flags are serve's own, its workers the two just started."""
-    return argparse.Namespace(prefill=[prefill.url], decode=[decode.url], routing="round-robin", connect_timeout=5.0,
-                              read_timeout=300.0, host=args.host, port=args.port, allowed_hosts=args.allowed_hosts,
-                              api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                              max_connections=args.max_connections, log_level=args.log_level,
-                              kv_transfer_secret=prefill.env[auth.ENV])
+    """`pdserve proxy`'s flags over the two workers just started: its own at their defaults, the
+    listening ones (ServerConfig's `listen` fields) as serve was given them."""
+    from pdserve.entrypoints.proxy import add_arguments as add_proxy_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_proxy_arguments(parser)
+    proxy = parser.parse_args(["--prefill", prefill.url, "--decode", decode.url])
+    for f in option_fields(ServerConfig, listen_only=True):
+        setattr(proxy, f.name, getattr(args, f.name))
+    proxy.kv_transfer_secret = prefill.env[auth.ENV]
+    return proxy
 
 
 def kv_flags(args: argparse.Namespace, kv_port: int) -> tuple[list[str], list[str]]:

@@ -1,22 +1,8 @@
-"""Where pdserve's HTTP servers listen and which Host headers they answer: shared by `pdserve
-serve`, `pdserve proxy` and the disaggregated launcher."""
-import argparse
+"""Where pdserve's HTTP servers listen: shared by `pdserve serve`, `pdserve proxy` and the
+disaggregated launcher (which Host headers they answer is server/config.py's allowed_hosts)."""
 import socket
 
 from pdserve.errors import ConfigError
-
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-# Names that always reach a server bound to loopback, whatever --host says.
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
-
-
-def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
-    """--allowed-hosts, or its default; None means any Host."""
-    if args.allowed_hosts is not None:
-        return None if "*" in args.allowed_hosts else args.allowed_hosts
-    if args.host in WILDCARD_HOSTS:   # every interface: names this machine goes by are not known here
-        return None
-    return list(dict.fromkeys([args.host, *LOCAL_HOSTS]))
 
 
 def bind(host: str, port: int) -> socket.socket:

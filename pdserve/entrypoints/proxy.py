@@ -6,7 +6,6 @@ KV block size or the KV dtype."""
 import argparse
 import asyncio
 import logging
-import os
 
 import uvicorn
 
@@ -16,8 +15,9 @@ from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.pairing import check_pairing
 from pdserve.proxy.relay import Proxy
 from pdserve.proxy.routing import ROUTINGS, Router, Worker, worker_url
-from pdserve.arg_types import int_at_least, number_at_least, seconds
-from pdserve.entrypoints.network import allowed_hosts, bind
+from pdserve.arg_types import seconds
+from pdserve.entrypoints.network import bind
+from pdserve.server.config import add_server_args, allowed_hosts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,29 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the workers' KV transfer secret, with which the proxy releases at once the lease of a "
                         "decode call refused or whose client left (default: $PDSERVE_KV_TRANSFER_SECRET; unset: "
                         "such a lease waits for the prefill worker's --kv-lease-s)")
-    add_listen_arguments(parser.add_argument_group("server"))
-
-
-def add_listen_arguments(g) -> None:
-    """The proxy's own server flags (also taken by `pdserve serve --disaggregate`'s proxy)."""
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    g.add_argument("--port", type=int_at_least(0, 65535), default=8000, help="TCP port (default: %(default)s)")
-    g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
-                   help="Host header names accepted (default: the --host address and localhost names; '*' = any)")
-    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` of clients (not on /health, /metrics, /version) and "
-                        "send it to the workers (default: $PDSERVE_API_KEY; unset: the client's header is "
-                        "passed on)")
-    g.add_argument("--max-body-bytes", type=int_at_least(1), default=1 << 20,
-                   help="largest request body; larger ones get 413 (default: %(default)s)")
-    g.add_argument("--max-connections", type=int_at_least(1), default=1000,
-                   help="most open client connections, and most connections to the workers (default: %(default)s)")
-    g.add_argument("--shutdown-timeout", type=number_at_least(0), default=30.0,
-                   help="seconds requests in flight get to finish after SIGTERM; then a model list or "
-                        "tokenizer call still waiting on its worker gets 503 shutdown_timeout "
-                        "(default: %(default)s)")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="log level of the proxy and its access log (default: %(default)s)")
+    add_server_args(parser, listen_only=True)   # serve's own declarations: one default, one help
 
 
 def build(args: argparse.Namespace):
@@ -77,9 +55,9 @@ def build(args: argparse.Namespace):
     pairing = check_pairing(prefill, decode, headers, timeout=args.connect_timeout)
     proxy = Proxy(Router(prefill, args.routing), Router(decode, args.routing),
                   ProxyMetrics(pairing.model, prefill + decode), args.read_timeout, args.api_key or None,
-                  auth.secret_from(getattr(args, "kv_transfer_secret", None)))
+                  auth.secret_from(args.kv_transfer_secret))
     app = build_app(proxy, connect_timeout=args.connect_timeout, max_body_bytes=args.max_body_bytes,
-                    allowed_hosts=allowed_hosts(args), max_connections=args.max_connections)
+                    allowed_hosts=allowed_hosts(args.host, args.allowed_hosts), max_connections=args.max_connections)
     return app, pairing
 
 
@@ -105,7 +83,7 @@ def serve(app, args: argparse.Namespace) -> uvicorn.Server:
     """A uvicorn server for the proxy's app (run it with .run(sockets=[sock]))."""
     from pdserve.server.connections import guarded_protocol
 
-    protocol = guarded_protocol(10.0, 30.0, args.max_connections)   # pdserve serve's default read limits
+    protocol = guarded_protocol(args.header_timeout, args.body_timeout, args.max_connections)
     logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per call to a worker
     return ProxyServer(app, args.shutdown_timeout, http=protocol, log_level=args.log_level)
 

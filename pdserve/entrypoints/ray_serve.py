@@ -22,6 +22,7 @@ from pdserve.ray.listen import local_ray_options
 from pdserve.ray.pd_ingress import pd_ingress_class
 from pdserve.ray.replica import EngineReplica
 from pdserve.ray.request_router import KVAwareRequestRouter
+from pdserve.server.config import ServerConfig
 
 APP_NAME = "pdserve"
 ENGINES = "EngineReplica"   # the engine deployment's name
@@ -31,11 +32,10 @@ log = logging.getLogger("pdserve.ray")
 
 def build_application(args: argparse.Namespace, num_replicas: int | None = None) -> serve.Application:
     """The application for parsed `pdserve serve --ray` arguments (num_replicas: instead of --num-replicas)."""
-    from pdserve.entrypoints.api_server import server_config
     cpus = args.ray_cpus_per_replica
     kwargs = engine_kwargs(args)
     kwargs["threads"] = kwargs["threads"] or max(1, int(cpus))   # the forward uses the CPUs Ray reserved
-    config = server_config(args, os.path.basename(os.path.normpath(args.model)))
+    config = ServerConfig.from_args(args, os.path.basename(os.path.normpath(args.model)))
 
     def deployment(name: str, policy: str, replicas: int):
         router = RequestRouterConfig(request_router_class=KVAwareRequestRouter,

@@ -16,7 +16,7 @@ import os
 import ray
 from ray import serve
 
-from pdserve.server.admission import ServerConfig
+from pdserve.server.config import ServerConfig
 
 
 class EngineReplica:
@@ -98,11 +98,11 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """What the request router reads (request_router.py): the KV cache this replica has."""
-        return {"kv_blocks": self.engine.runner.num_blocks}
+        return {"kv_blocks": self.engine.num_kv_blocks}
 
     def info(self) -> dict:
         """Who this replica is, its KV cache, its requests in flight, its KV transfer role and
         (a prefill replica) the leases it holds."""
         return {"replica": self.name, "node_id": self.node_id, "pid": os.getpid(), "requests": self.in_flight,
-                "kv_blocks": self.engine.runner.num_blocks, "kv_transfer": self.engine.kv_transfer_info(),
-                "kv_leases": len(getattr(self.engine.connector, "leases", None) or ())}
+                "kv_blocks": self.engine.num_kv_blocks, "kv_transfer": self.engine.kv_transfer_info(),
+                "kv_leases": self.engine.num_kv_leases}

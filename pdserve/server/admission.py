@@ -1,77 +1,53 @@
-"""Admission: what every handler needs (the engine, its tokenizer, the server's limits) and the checks
-that turn a request body into engine requests (prompt ids plus SamplingParams)."""
+"""Admission: what every handler needs (the engine, its tokenizer, the server's limits) and the
+tokenizing and submitting that turn a request body into engine requests (prompt ids plus
+SamplingParams); the limits themselves, every refusal and default, are limits.py's."""
 import asyncio
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from pdserve import __version__
+from pdserve.engine.interface import EngineClient, paged
 from pdserve.errors import RequestError
-from pdserve.generation_config import GenerationDefaults
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import reasoning
 from pdserve.server.async_engine import AsyncEngine, EngineThread, Submission
-from pdserve.server.errors import APIError, Overloaded
+from pdserve.server.config import ServerConfig
+from pdserve.server.limits import Limits
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.step_events import StepEvents
 
-
-@dataclass
-class ServerConfig:
-    served_model_name: str
-    max_waiting: int = 256
-    max_body_bytes: int = 1 << 20
-    max_stop_strings: int = 16
-    max_stop_length: int = 256           # characters per stop string
-    max_stop_token_ids: int = 256
-    max_prompt_tokens: int | None = None  # None: the engine's own check against max_model_len
-    max_tokens_cap: int | None = None     # None: whatever fits in the context
-    max_n: int = 64
-    max_logprobs: int = 20
-    max_request_cost: int = 1 << 17       # prompts x n x max_tokens x (1 + logprobs) of one request
-    request_timeout: float | None = None  # seconds from arrival; None: no limit
-    api_key: str | None = None
-    tool_call_parser: str | None = None   # pdserve/server/tool_parsers.py; None: tool_choice "auto" is refused
-    reasoning_parser: str | None = None   # pdserve/server/reasoning.py; None: the thinking stays in content
-    max_stored_responses: int = 1000      # /v1/responses kept for previous_response_id (responses_store.py)
-    step_log: str | None = None   # JSONL file: one line per engine step (for `pdserve report`)
-    allowed_hosts: list[str] | None = None   # Host header names accepted; None: any
-    cors_origins: list[str] = field(default_factory=list)   # empty: no CORS headers at all
-    cors_methods: list[str] = field(default_factory=lambda: ["GET", "POST"])
-    cors_headers: list[str] = field(default_factory=lambda: ["Authorization", "Content-Type"])
-    cors_credentials: bool = False
 
 # Texts longer than this are tokenized on a worker thread, so the event loop keeps answering.
 OFFLOAD_CHARS = 4096
 
 
-class ServerState:
-    def __init__(self, engine, config: ServerConfig, engine_thread: EngineThread | None = None):
+class ServerState(Limits):
+    """What every handler needs: the engine and its tokenizer, the server's limits (limits.py, the
+    admission decisions), and the tokenizing and submitting that turn a body into engine requests."""
+
+    def __init__(self, engine: EngineClient, config: ServerConfig, engine_thread: EngineThread | None = None):
         self.engine = engine
+        self.paged = paged(engine)   # None: a baseline, without a paged KV cache
         self.tokenizer = engine.tokenizer
-        self.config = config
-        self.max_model_len = engine.max_model_len
-        # the longest sequence that can be served: the context, or the whole KV cache if smaller
-        self.max_seq_len = min(self.max_model_len, getattr(engine, "kv_capacity", self.max_model_len))
         self.metrics = ServerMetrics(config.step_log, config.served_model_name)
         self.step_events = StepEvents()
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
                                         engine_thread, self.step_events)
+        # generation_config.json's sampling defaults (--generation-config); a test's stand-in engine has none
+        engine_config = getattr(engine, "config", None)
+        generation = engine_config.generation_defaults() if hasattr(engine_config, "generation_defaults") else None
+        max_len = engine.max_model_len
+        super().__init__(config, max_len, max_len if self.paged is None else min(max_len, self.paged.kv_capacity),
+                         self.async_engine.max_num_seqs, self.async_engine.has_room, generation,
+                         getattr(self.tokenizer, "max_token_chars", 1 << 20),
+                         self.paged is not None and self.paged.computes_prompt_logprobs, getattr(engine, "name", ""))
         self.created = int(time.time())
         # --reasoning-parser, checked against this tokenizer (ConfigError: its tags are not tokens)
         self.reasoning = reasoning.build(config.reasoning_parser, self.tokenizer)
-        # generation_config.json's sampling defaults (--generation-config); a test's stand-in engine has none
-        engine_config = getattr(engine, "config", None)
-        self.generation = engine_config.generation_defaults() if hasattr(engine_config, "generation_defaults") \
-            else GenerationDefaults()
         self.version = __version__
-        # A prompt longer than this many characters has more tokens than the cap (Tokenizer.max_token_chars):
-        # refused before any tokenizing.
-        self.max_prompt_chars = (config.max_prompt_tokens or self.max_model_len) * \
-            getattr(self.tokenizer, "max_token_chars", 1 << 20)
         # Tokenizing long texts and building big responses: off the event loop, two at a time.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-cpu")
 
@@ -81,132 +57,6 @@ class ServerState:
     async def offload(self, fn, *args):
         """fn(*args) on a worker thread (CPU-heavy Python: the loop keeps answering while it runs)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    # ---- checks
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.config.served_model_name}`", param="model", code="model_not_found")
-
-    def check_stop(self, stop: list[str], stop_token_ids: list[int] | None = None) -> None:
-        if stop_token_ids and len(stop_token_ids) > self.config.max_stop_token_ids:
-            raise RequestError(f"at most {self.config.max_stop_token_ids} stop_token_ids are allowed "
-                               f"(--max-stop-token-ids), got {len(stop_token_ids)}", param="stop_token_ids")
-        if len(stop) > self.config.max_stop_strings:
-            raise RequestError(f"at most {self.config.max_stop_strings} stop strings are allowed, got {len(stop)}",
-                               param="stop")
-        # a long stop string is held back from streams and searched for after every token
-        longest = max((len(s) for s in stop), default=0)
-        if longest > self.config.max_stop_length:
-            raise RequestError(f"stop strings may be at most {self.config.max_stop_length} characters long "
-                               f"(--max-stop-length), got one of {longest}", param="stop")
-
-    def check_n(self, n: int) -> None:
-        if n > self.config.max_n:
-            raise RequestError(f"n must be at most {self.config.max_n} (--max-n), got {n}", param="n")
-
-    def check_logprobs(self, k: int | None, param: str) -> None:
-        if k is not None and k < 0:
-            raise RequestError(f"{param} must be >= 0, got {k}", param=param)
-        if k is not None and k > self.config.max_logprobs:
-            raise RequestError(f"{param} must be at most {self.config.max_logprobs} (--max-logprobs), got {k}",
-                               param=param)
-
-    def check_queue(self, num_seqs: int, param: str = "n") -> None:
-        """Before any tokenizing: 400 if `num_seqs` could never be admitted, 503 if not now."""
-        most = self.config.max_waiting + self.async_engine.max_num_seqs
-        if num_seqs > most:   # would be refused however empty the queue
-            raise RequestError(f"this request needs {num_seqs} sequences (prompts x n) but at most {most} can be "
-                               f"admitted at once (--max-waiting + --max-num-seqs)", param=param)
-        if not self.async_engine.has_room(num_seqs):
-            raise Overloaded(f"too many requests waiting (--max-waiting {self.config.max_waiting}); retry later")
-
-    def check_cost(self, num_seqs: int, max_tokens: int, logprobs: int | None) -> None:
-        """What one request may make the server generate and send: every choice's tokens, each
-        with its logprobs (--max-request-cost)."""
-        cost = num_seqs * max_tokens * (1 + (logprobs or 0))
-        if cost > self.config.max_request_cost:
-            raise RequestError(f"this request asks for {num_seqs} sequences (prompts x n) x max_tokens {max_tokens} "
-                               f"x (1 + logprobs {logprobs or 0}) = {cost} tokens, more than --max-request-cost "
-                               f"({self.config.max_request_cost}); lower max_tokens, n or logprobs",
-                               param="max_tokens")
-
-    def check_prompt_logprobs(self, k: int | None, param: str) -> None:
-        """prompt_logprobs (or echo with logprobs, which asks for them): within --max-logprobs, and
-        from an engine that computes them (the baselines and test fakes do not)."""
-        if k is None:
-            return
-        self.check_logprobs(k, param)
-        if not getattr(self.engine, "computes_prompt_logprobs", False):
-            raise RequestError(f"prompt logprobs are not computed by the {getattr(self.engine, 'name', '') or 'this'} "
-                               "backend", param=param)
-
-    def check_prompt_cost(self, num_seqs: int, max_tokens: int, logprobs: int | None, prompts: list[list[int]],
-                          n: int, k: int | None, param: str) -> None:
-        """--max-request-cost with prompt logprobs: each choice's prompt tokens count as tokens sent
-        with their k alternatives, on top of its generated ones (same rule, same limit)."""
-        if k is None:
-            return
-        out = num_seqs * max_tokens * (1 + (logprobs or 0))
-        prompt = self.prompt_cost(prompts, n, k)
-        if out + prompt > self.config.max_request_cost:
-            raise RequestError(f"this request asks for {out} generated tokens with their logprobs + {n} x "
-                               f"{sum(len(p) for p in prompts)} prompt tokens x (1 + prompt logprobs {k}) = "
-                               f"{out + prompt} tokens, more than --max-request-cost ({self.config.max_request_cost}); "
-                               "lower the prompt's length, n or the logprobs asked for", param=param)
-
-    def cost_default(self, wanted: int, num_seqs: int, logprobs: int | None, spent: int = 0) -> int:
-        """A default max_tokens lowered so the request fits --max-request-cost (at least 1);
-        `spent`: what its prompt logprobs already take of it (prompt_cost)."""
-        return max(1, min(wanted, (self.config.max_request_cost - spent) // (num_seqs * (1 + (logprobs or 0)))))
-
-    @staticmethod
-    def prompt_cost(prompts: list[list[int]], n: int, k: int | None) -> int:
-        """The prompt logprobs' share of --max-request-cost: each choice's prompt tokens, each with k alternatives."""
-        return 0 if k is None else n * sum(len(p) for p in prompts) * (1 + k)
-
-    def check_prompt_chars(self, texts: list[str], param: str = "prompt") -> None:
-        """Refuse, before tokenizing, a text so long it must have more tokens than the cap."""
-        longest = max((len(t) for t in texts), default=0)
-        if longest > self.max_prompt_chars:
-            cap = self.config.max_prompt_tokens or self.max_model_len
-            flag = "--max-prompt-tokens" if self.config.max_prompt_tokens else "the context length"
-            raise RequestError(f"{param} has {longest} characters: more tokens than this server accepts ({cap}, "
-                               f"{flag}) whatever the text", param=param)
-
-    def check_max_tokens(self, max_tokens: int) -> None:
-        cap = self.config.max_tokens_cap
-        if cap is not None and max_tokens > cap:
-            raise RequestError(f"max_tokens must be at most {cap} (--max-tokens-cap), got {max_tokens}",
-                               param="max_tokens")
-
-    def default_max_tokens(self, wanted: int) -> int:
-        """A default max_tokens (not the client's), lowered to --max-tokens-cap."""
-        cap = self.config.max_tokens_cap
-        return wanted if cap is None else min(wanted, cap)
-
-    def request_max_tokens(self, asked: int | None, default: int, num_seqs: int, logprobs: int | None,
-                           room: int | None = None, generation: bool = True, spent: int = 0) -> int:
-        """A request's max_tokens, decided here for every endpoint: the client's (checked against
-        --max-tokens-cap); else generation_config.json's max_new_tokens (unless generation=False), else
-        the endpoint's `default`. A default is lowered to `room` (the context left, as vLLM's
-        get_max_tokens), --max-tokens-cap and --max-request-cost (of which prompt logprobs take
-        `spent`), and is at least 1."""
-        if asked is not None:
-            self.check_max_tokens(asked)
-            return asked
-        wanted = (self.generation.max_tokens if generation else None) or default
-        if room is not None:
-            wanted = min(wanted, room)
-        return self.cost_default(max(1, self.default_max_tokens(wanted)), num_seqs, logprobs, spent)
-
-    def check_prompt_len(self, prompts: list[list[int]], param: str = "prompt") -> None:
-        cap = self.config.max_prompt_tokens
-        longest = max(len(p) for p in prompts)
-        if cap is not None and longest > cap:
-            raise RequestError(f"{param} has {longest} tokens; this server accepts at most {cap} prompt tokens "
-                               "(--max-prompt-tokens)", param=param)
 
     async def encode(self, texts: list[str], param: str = "prompt") -> list[list[int]]:
         """Token ids of each text; long ones are tokenized off the event loop."""

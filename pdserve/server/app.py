@@ -12,7 +12,8 @@ from pdserve.server.middleware import (APIKeyMiddleware, BodyMiddleware, HostChe
                                        InternalErrorMiddleware)
 from pdserve.server.openapi import install_openapi
 from pdserve.server.responses_store import ResponseStore
-from pdserve.server.admission import ServerConfig, ServerState
+from pdserve.server.admission import ServerState
+from pdserve.server.config import ServerConfig
 
 
 def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:
@@ -25,8 +26,8 @@ def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None =
         yield
         state.async_engine.stop()
         state.close()
-        if hasattr(engine, "close"):   # the KV listener of a prefill worker
-            engine.close()
+        if state.paged is not None:   # the KV listener of a prefill worker
+            state.paged.close()
 
     # FastAPIOffline: /docs loads Swagger UI from this server, not a CDN (web.py serves /redoc).
     app = FastAPIOffline(title="pdserve", version=state.version, lifespan=lifespan, static_url="/static/docs",
@@ -43,9 +44,9 @@ def build_app(engine, config: ServerConfig, engine_thread: EngineThread | None =
     app.add_middleware(BodyMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
-    if config.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=config.cors_methods,
-                           allow_headers=config.cors_headers, allow_credentials=config.cors_credentials)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+                           allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
     if config.allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed_hosts=config.allowed_hosts)
     return app

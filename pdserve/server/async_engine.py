@@ -15,10 +15,12 @@ import threading
 import time
 from concurrent.futures import Future, wait
 
+from pdserve.engine.interface import EngineClient, paged
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.errors import APIError, Overloaded
+from pdserve.server.limits import queue_full
 
 log = logging.getLogger("pdserve.server")
 
@@ -174,6 +176,7 @@ class AsyncEngine:
         self._num_engine_waiting = 0
         self._num_engine_running = 0
         self.max_num_seqs = _max_num_seqs(engine)
+        self._paged = paged(engine)
         self._subs: dict[str, Submission] = {}   # request id -> its Submission; loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: Future | None = None   # the engine loop, on self.thread
@@ -240,9 +243,7 @@ class AsyncEngine:
             raise Overloaded("the server is shutting down", code="shutting_down")
         with self._lock:
             if not self._has_room(len(request_ids)):
-                waiting = self._num_posted + self._num_engine_waiting
-                raise Overloaded(f"too many requests waiting ({waiting}, --max-waiting {self.max_waiting}); "
-                                 "retry later")
+                raise queue_full(self.max_waiting, self._num_posted + self._num_engine_waiting)
             self._num_posted += len(request_ids)
         sub = Submission(self, request_ids)
         for rid in request_ids:
@@ -276,9 +277,8 @@ class AsyncEngine:
     def _post(self, command) -> None:
         self._commands.append(command)
         self._wake.set()
-        wake = getattr(self.engine, "wake", None)   # a step waiting for a KV pull returns at once
-        if wake is not None:
-            wake()
+        if self._paged is not None:   # a step waiting for a KV pull returns at once
+            self._paged.wake()
 
     # ---- the engine thread
 

@@ -328,7 +328,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.max_completion_tokens is not None or body.max_tokens is not None:
         s.check_cost(body.n, body.max_completion_tokens or body.max_tokens, logprobs)
-    tools = tool_calls.plan(body, getattr(s.config, "tool_call_parser", None))
+    tools = tool_calls.plan(body, s.config.tool_call_parser)
     grammar = body.grammar_spec()
     if tools.grammar is not None:
         if grammar is not None:

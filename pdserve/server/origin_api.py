@@ -31,10 +31,9 @@ async def _submit(request: Request, body, prompts: list[str], param: str = "prom
     s.check_cost(len(prompts), max_tokens, None)
     ids = await s.encode(prompts, param)
     s.check_prompt_len(ids, param)
-    # The default 64 stops at the context rather than being refused (the OpenAI endpoints' defaults
-    # are the rest of the context too); a max_tokens the client gave is refused past it, as there.
+    # a max_tokens the client gave is refused past the context, as the OpenAI endpoints do; the default is not
     def room(prompt: list[int]) -> int:
-        return max_tokens if "max_tokens" in fields else min(max_tokens, max(1, s.max_model_len - len(prompt)))
+        return max_tokens if "max_tokens" in fields else s.default_within_context(max_tokens, prompt)
     # the origin's greedy default gives way to generation_config.json's temperature, a request's to neither
     asked = {"temperature": body.temperature} if "temperature" in fields else {}
     params = [p for i in ids for p in s.sampling_params(1, None, fallback={"temperature": body.temperature},

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.engine.grammar import GrammarSpec
+from pdserve.engine.interface import grammars
 from pdserve.errors import RequestError
 
 
@@ -103,7 +104,7 @@ async def check_grammar(engine, spec: GrammarSpec | None) -> None:
     and a bad one is a 400 naming its field before anything is admitted."""
     if spec is None:
         return
-    grammars = getattr(getattr(engine, "processor", None), "grammars", None)
-    if grammars is None:
+    compiler = grammars(engine)
+    if compiler is None:
         raise RequestError("constrained decoding is not supported by this backend", param=spec.param)
-    await asyncio.to_thread(grammars.check, spec)
+    await asyncio.to_thread(compiler.check, spec)

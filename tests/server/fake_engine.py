@@ -116,3 +116,39 @@ class FakeEngine:
         self.last_step = StepStats(start_time=start, duration=time.perf_counter() - start, num_seqs=n,
                                    num_prefill_tokens=0, num_decode_tokens=n, num_preemptions=0, forward_time=0.0)
         return outputs
+
+
+class FakePagedEngine(FakeEngine):
+    """A FakeEngine that is a PagedEngine (engine/interface.py): the endpoints a paged KV cache
+    allows are open; prompt logprobs and grammars (it has no output processor) are still refused."""
+    computes_prompt_logprobs = False
+    config = None
+    last_schedule = None
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seqs, self.resets = {}, 0
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.num_blocks
+
+    num_kv_leases = 0
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def reset_prefix_cache(self) -> dict:
+        self.resets += 1
+        return {"reset_blocks": 0, "cached_blocks_in_use": 0}
+
+    def kv_transfer_info(self) -> dict:
+        return {"role": "both", "engine_id": None, "block_size": self.block_size, "dtype": "float32",
+                "transport": None, "kv_host": None, "kv_port": None}

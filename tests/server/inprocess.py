@@ -7,7 +7,7 @@ import time
 import uvicorn
 
 from pdserve.server.app import build_app
-from pdserve.server.admission import ServerConfig
+from pdserve.server.config import ServerConfig
 from tests.server.conftest import free_port, wait_for
 
 

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from pdserve.server.app import build_app
 from pdserve.server.errors import validation_message
-from pdserve.server.admission import ServerConfig
+from pdserve.server.config import ServerConfig
 from tests.server.fake_engine import FakeEngine
 
 

@@ -10,7 +10,7 @@ import uvicorn
 
 from pdserve.server.app import build_app
 from pdserve.server.connections import guarded_protocol
-from pdserve.server.admission import ServerConfig
+from pdserve.server.config import ServerConfig
 from tests.server.conftest import free_port
 from tests.server.fake_engine import FakeEngine
 

@@ -12,8 +12,9 @@ from fastapi.testclient import TestClient
 
 from pdserve.server import openai_api
 from pdserve.server.app import build_app
-from pdserve.server.admission import OFFLOAD_CHARS, ServerConfig
-from tests.server.fake_engine import FakeEngine, FakeTokenizer
+from pdserve.server.admission import OFFLOAD_CHARS
+from pdserve.server.config import ServerConfig
+from tests.server.fake_engine import FakeEngine, FakePagedEngine, FakeTokenizer
 from tests.server.test_connections import running_app
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -84,11 +85,10 @@ def test_bytes_that_are_not_utf8_get_400_and_keep_the_connection():
 
 
 def test_a_post_without_body_or_content_type_passes_and_one_with_a_body_does_not():
-    engine = FakeEngine()
-    engine.reset_prefix_cache = lambda: {"reset_blocks": 0, "cached_blocks_in_use": 0}
+    engine = FakePagedEngine()
     with client(engine) as c:
         r = c.post("/reset_prefix_cache")   # what vLLM's clients send: no body, no content type
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200 and engine.resets == 1, r.text
         r = c.post("/reset_prefix_cache", content=b"{}")
         assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
         r = c.post("/v1/completions")   # no body where one is required: a 400, not a 500
@@ -152,7 +152,7 @@ def test_cors_is_off_by_default_and_follows_the_flags():
         assert "access-control-allow-origin" not in r.headers
         r = c.post("/tokenize", json={"prompt": "x"}, headers={"Origin": "https://app.example"})
         assert "access-control-allow-origin" not in r.headers
-    with client(cors_origins=["https://app.example"], api_key="k") as c:
+    with client(allowed_origins=["https://app.example"], api_key="k") as c:
         r = c.options("/v1/completions", headers=preflight)   # a preflight carries no key
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
         r = c.post("/tokenize", json={"prompt": "x"}, headers={"Origin": "https://app.example",

@@ -7,9 +7,9 @@ import socket
 import httpx
 import pytest
 
-from pdserve.entrypoints import api_server, serve_args
+from pdserve.entrypoints import serve_args
 from pdserve.server import middleware
-from pdserve.server.admission import ServerConfig
+from pdserve.server.config import ServerConfig
 
 FLAGS = ["--max-prompt-tokens", "40", "--max-tokens-cap", "20", "--max-n", "2", "--max-logprobs", "3",
          "--max-stop-strings", "2", "--max-stop-length", "5", "--max-body-bytes", "4000"]
@@ -74,19 +74,19 @@ def test_every_cap_is_a_flag_with_a_default():
     parser = argparse.ArgumentParser()
     serve_args.add_arguments(parser)
     args = parser.parse_args([])
-    config = api_server.server_config(args, "m")
+    config = ServerConfig.from_args(args, "m")
     assert (args.host, config.max_prompt_tokens, config.max_tokens_cap, config.max_n, config.max_logprobs,
             config.max_stop_strings, config.max_stop_length, config.max_body_bytes, config.request_timeout) == \
         ("127.0.0.1", None, None, 64, 20, 16, 256, 1 << 20, None)
-    config = api_server.server_config(parser.parse_args(FLAGS + ["--request-timeout", "2.5"]), "m")
+    config = ServerConfig.from_args(parser.parse_args(FLAGS + ["--request-timeout", "2.5"]), "m")
     assert (config.max_prompt_tokens, config.max_tokens_cap, config.max_n, config.max_logprobs,
             config.max_stop_strings, config.max_stop_length, config.max_body_bytes, config.request_timeout) == \
         (40, 20, 2, 3, 2, 5, 4000, 2.5)
     assert ServerConfig("m", allowed_hosts=["127.0.0.1", "localhost", "::1"]) == \
-        api_server.server_config(parser.parse_args([]), "m")
-    assert api_server.server_config(parser.parse_args(["--host", "0.0.0.0"]), "m").allowed_hosts is None
-    assert api_server.server_config(parser.parse_args(["--allowed-hosts", "*"]), "m").allowed_hosts is None
-    assert api_server.server_config(parser.parse_args(["--allowed-hosts", "a.example"]), "m").allowed_hosts == \
+        ServerConfig.from_args(parser.parse_args([]), "m")
+    assert ServerConfig.from_args(parser.parse_args(["--host", "0.0.0.0"]), "m").allowed_hosts is None
+    assert ServerConfig.from_args(parser.parse_args(["--allowed-hosts", "*"]), "m").allowed_hosts is None
+    assert ServerConfig.from_args(parser.parse_args(["--allowed-hosts", "a.example"]), "m").allowed_hosts == \
         ["a.example"]
     for bad in (["--max-n", "0"], ["--max-logprobs", "21"], ["--request-timeout", "0"], ["--max-body-bytes", "-1"],
                 ["--max-waiting", "-1"], ["--port", "70000"], ["--shutdown-timeout", "-1"], ["--header-timeout", "0"],

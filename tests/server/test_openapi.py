@@ -6,7 +6,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, given, settings
 
 from pdserve.server.app import build_app
-from pdserve.server.admission import ServerConfig
+from pdserve.server.config import ServerConfig
 from pdserve.server.web import ENDLESS_STREAMS
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_connections import running_app

@@ -7,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.server.app import build_app
-from pdserve.server.admission import ServerConfig
+from pdserve.server.config import ServerConfig
 from pdserve.server.web import STATIC
 from tests.server.fake_engine import FakeEngine
 
