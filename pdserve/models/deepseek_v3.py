@@ -43,7 +43,7 @@ def softmax_scale(cfg: ModelConfig, s: MLAShape) -> float:
     p = cfg.rope_parameters()
     if p["rope_type"] != "default" and p.get("mscale_all_dim"):
         m = yarn_mscale(p["factor"], p["mscale_all_dim"])
-        scale *= m * m
+        scale = scale * m * m   # in transformers' order: the same float
     return scale
 
 
