@@ -78,8 +78,13 @@ def test_greedy_batch_equals_transformers(llm, model_path):
     llm.engine.block_manager.check_all_free()
 
 
-def test_last_position_logits_match(llm, model_path):
-    assert_last_position_logits_match(llm, model_path)
+# The kernels' linears sum in another order than torch's: measured up to 1.05e-4 on logits of ~40
+# (the AVX2 build, q_proj checkpoint; torch's ops give transformers' logits exactly)
+KERNEL_LOGITS_ATOL = 2e-4
+
+
+def test_last_position_logits_match(llm, model_path, cpu_kernels):
+    assert_last_position_logits_match(llm, model_path, atol=KERNEL_LOGITS_ATOL if cpu_kernels else 1e-4)
 
 
 # Decode's matrix-vector products (and its absorbed attention: q_nope through W_UK, the latent
