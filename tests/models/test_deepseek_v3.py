@@ -20,9 +20,9 @@ from pdserve.errors import CheckpointError
 from pdserve.layers import mla
 from pdserve.layers.moe import SparseMoeBlock
 from pdserve.models.deepseek_v3 import DeepseekV3ForCausalLM, mla_shape, softmax_scale
-from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_last_position_logits_match,
-                           assert_outputs_survive_cache_preemption_and_speculation, chunked_logits, corpus_prompts,
-                           hf_greedy, hf_logits)
+from tests.helpers import (assert_decode_equals_recompute, assert_greedy_batch_equals_transformers,
+                           assert_last_position_logits_match, assert_outputs_survive_cache_preemption_and_speculation,
+                           chunked_logits, corpus_prompts, hf_greedy, hf_logits)
 
 NEW_TOKENS = 12
 # make_model's tiny checkpoint (tools/make_model.py): 3 layers, layer 0 dense; latents of 32, rope
@@ -70,12 +70,7 @@ def test_tiny_checkpoint_has_the_parts_under_test(model_path):
 
 
 def test_greedy_batch_equals_transformers(llm, model_path):
-    prompts = corpus_prompts(llm.tokenizer)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == reference(model_path, tuple(prompt)), f"prompt of {len(prompt)} tokens"
-    assert max(o.metrics.num_prefill_steps for o in outs) > 1   # the 200-token prompt was chunked
-    llm.engine.block_manager.check_all_free()
+    assert_greedy_batch_equals_transformers(llm, model_path, reference, NEW_TOKENS)
 
 
 # The kernels' linears sum in another order than torch's: measured up to 1.05e-4 on logits of ~40
