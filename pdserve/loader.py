@@ -108,11 +108,12 @@ def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, 
     for name, (target, _, _) in sliced.items():
         needed.pop((target, None), None)
         needed[(target, name)] = name
+    skips = getattr(model, "skips_tensor", lambda name: False)   # tensors the family does not use (DeepSeek's MTP)
     loaded, first_file = set(), None
     with torch.no_grad():
         for file, name, tensor in tensors:
             first_file = first_file or file
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or skips(name):
                 continue
             if name in sliced:
                 target, index, rows = sliced[name]

@@ -83,6 +83,17 @@ def assert_last_position_logits_match(llm, path: str, lens=(1, 17, 200), atol: f
         torch.testing.assert_close(ours, hf_logits(path, prompt)[-1], atol=atol, rtol=0)
 
 
+def assert_greedy_batch_equals_transformers(llm, path: str, reference, new_tokens: int) -> None:
+    """PROMPT_LENS' prompts in one batch (the 200-token one prefilled in chunks) give transformers'
+    greedy tokens (reference(path, prompt tuple)), and every block is free after."""
+    prompts = corpus_prompts(llm.tokenizer)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference(path, tuple(prompt)), f"prompt of {len(prompt)} tokens"
+    assert max(o.metrics.num_prefill_steps for o in outs) > 1   # the 200-token prompt was chunked
+    llm.engine.block_manager.check_all_free()
+
+
 def assert_decode_equals_recompute(llm, path: str, prompt_len: int, atol: float = CHUNK_ATOL) -> None:
     """Each decode step's logits (one token against the cache) equal a full forward without a
     cache (to atol), and the engine's own greedy tokens are their argmax."""

@@ -2,7 +2,7 @@
 
 The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral; Gemma 2, Gemma 3
 (text), Phi-3; Qwen3, OLMo 2, Granite, SmolLM3, Ministral, Ministral 3; Qwen2-MoE, Qwen3-MoE,
-Mixtral) and saved with
+Mixtral, DeepSeek-V3) and saved with
 `save_pretrained(safe_serialization=True)`; the tokenizer is a byte-level BPE trained with HF
 `tokenizers` on the corpus shipped in tools/corpus, following each family's
 special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
@@ -37,6 +37,7 @@ that drops a bias or a norm weight produces different tokens. Measured on the ti
     ours: qwen2_moe (dense layer 1)    1.61     0.22       0.5%
     ours: qwen3_moe (windows of 48)    1.56     0.22       0.5%
     ours: mixtral (windows of 48)      1.71     0.24       0.6%
+    ours: deepseek_v3 (MLA, dense 0)  1.59     0.26       0.6%
     (qwen2 0.5b, 64 positions:         1.80)
 
 Logits stay finite (|logit| < 100), changing one early prompt token changes about 40-55% of
@@ -56,7 +57,7 @@ from pdserve.errors import CheckpointError
 
 ARCHS = ("opt", "llama", "qwen2", "mistral", "gemma2", "gemma3", "phi3")
 ARCHS += ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")
-ARCHS += ("qwen2_moe", "qwen3_moe", "mixtral")
+ARCHS += ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
 SIZES = ("tiny", "0.5b", "hub")
 INIT_GAIN = 2.0  # weight matrices: std = INIT_GAIN / sqrt(fan_in), 0.25 at width 64
 EMBED_GAIN = 8.0  # embeddings and lm_head: std = EMBED_GAIN / sqrt(dim), 1.0 at 64; sets the logit scale
@@ -118,7 +119,7 @@ FAMILIES["phi3"] = dict(
     template=PHI3_TEMPLATE, extra_eos=["<|end|>"])
 FAMILIES["qwen3"] = FAMILIES["qwen2"]
 FAMILIES["qwen2_moe"] = FAMILIES["qwen3_moe"] = FAMILIES["qwen2"]
-for _arch in ("olmo2", "granite", "smollm3", "ministral", "ministral3", "mixtral"):
+for _arch in ("olmo2", "granite", "smollm3", "ministral", "ministral3", "mixtral", "deepseek_v3"):
     FAMILIES[_arch] = FAMILIES["llama"]
 
 # Model shapes. Tiny: fast CPU tests, grouped-query attention for the llama family.
@@ -270,6 +271,8 @@ def build_config(arch: str, size: str, vocab_size: int, special_ids: dict, overr
                                                 "sliding_window": None, **overrides})
     if arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
         return moe_config(arch, kw, tiny, head_dim, overrides)
+    if arch == "deepseek_v3":
+        return deepseek_v3_config(kw, tiny, overrides)
     return transformers.Qwen2Config(**{**kw, "use_sliding_window": False, **overrides})
 
 
@@ -296,6 +299,28 @@ def moe_config(arch: str, kw: dict, tiny: bool, head_dim: int, overrides: dict):
     return transformers.MixtralConfig(**{**kw, "num_local_experts": 8, "num_experts_per_tok": 2,
                                          "intermediate_size": kw["intermediate_size"] // 2, "head_dim": head_dim,
                                          "sliding_window": 48 if tiny else None, **overrides})
+
+
+def deepseek_v3_config(kw: dict, tiny: bool, overrides: dict):
+    """DeepSeek-V3 (multi-head latent attention, grouped sigmoid routing). Tiny: 3 layers, layer 0
+    dense (first_k_dense_replace), the others 8 routed experts in 4 groups (top 2 from the best 2
+    groups, renormalised, scaled by 2.5; a random e_score_correction_bias: init_weights) and one
+    shared expert; q through a rank-32 latent (q_lora_rank; None: a plain q_proj), K/V through a
+    rank-32 latent plus a 16-dim rope key, heads of 16 + 16 (q, k) and 24 (v); interleaved yarn
+    RoPE whose mscale_all_dim scales the softmax (transformers folds it into the attention scale)."""
+    import transformers
+
+    I = kw["intermediate_size"]
+    shape = dict(num_hidden_layers=3, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                 qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+                 n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=I // 2,
+                 routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                 rope_parameters={"rope_type": "yarn", "rope_theta": kw["rope_theta"], "factor": 4.0,
+                                  "original_max_position_embeddings": 256, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                  "beta_fast": 32, "beta_slow": 1}) if tiny else {}
+    kw = {k: v for k, v in kw.items() if k != "rope_theta"}   # in rope_parameters
+    return transformers.DeepseekV3Config(**{**kw, "num_key_value_heads": kw["num_attention_heads"], **shape,
+                                            **overrides})
 
 
 def gemma_config(arch: str, kw: dict, overrides: dict):
@@ -333,7 +358,8 @@ def norm_center(gemma: bool, name: str, dim: int) -> float:
 MODEL_CLASSES.update(qwen3="Qwen3ForCausalLM", olmo2="Olmo2ForCausalLM", granite="GraniteForCausalLM",
                      smollm3="SmolLM3ForCausalLM", ministral="MinistralForCausalLM",
                      ministral3="Ministral3ForCausalLM", qwen2_moe="Qwen2MoeForCausalLM",
-                     qwen3_moe="Qwen3MoeForCausalLM", mixtral="MixtralForCausalLM")
+                     qwen3_moe="Qwen3MoeForCausalLM", mixtral="MixtralForCausalLM",
+                     deepseek_v3="DeepseekV3ForCausalLM")
 
 
 def init_weights(model, seed: int) -> None:
@@ -353,6 +379,9 @@ def init_weights(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * ONE_D_STD)
             else:  # norm weights
                 p.copy_(norm_center(gemma, name, p.shape[0]) + torch.randn(p.shape, generator=gen) * ONE_D_STD)
+        for name, b in model.named_buffers():   # DeepSeek-V3's router bias (a buffer): choosing must use it
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * ONE_D_STD)
 
 
 def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0, force: bool = False,

@@ -15,9 +15,11 @@ from pdserve.backends import select_backend
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.grammar import forced_tokens
+from pdserve.engine.kv_spec import bind_kv_cache, kv_spec
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv_transfer.shm import shared_kv_cache
 from pdserve.layers.attention import PagedAttention
+from pdserve.layers.mla import MultiHeadLatentAttention
 from pdserve.engine.sampler import Sampler
 from pdserve.loader import load_model
 from pdserve.spec_decode import rejection
@@ -32,6 +34,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(model_config)
         self.block_size = config.block_size
+        self.kv_spec = kv_spec(model_config)   # K and V per head, or MLA's latent (engine/kv_spec.py)
         self.model = load_model(model_config, self.dtype, config.device)
         self.backend = select_backend(model_config, config, self.dtype)
         self.backend.prepare_model(self.model)
@@ -50,8 +53,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        m = self.model_config
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return self.block_size * self.kv_spec.bytes_per_token(self.model_config.num_layers, self.dtype)
 
     def _num_blocks(self, max_model_len: int) -> int:
         c = self.config
@@ -68,19 +70,14 @@ class ModelRunner:
         return max(1, min(want, DEFAULT_KV_CACHE_CAP // self.bytes_per_block))
 
     def _allocate_kv_cache(self):
-        m = self.model_config
-        slots = self.num_blocks * self.block_size
-        shape = (2, m.num_layers, slots, m.num_kv_heads, m.head_dim)
+        shape = self.kv_spec.shape(self.model_config.num_layers, self.num_blocks * self.block_size)
         self.kv_cache_file = None
         if self.config.role == "prefill" and self.config.kv_transport == "shm" and self.device.type == "cpu":
             # in a /dev/shm file that decode workers on this host map (pdserve/kv_transfer/shm.py)
             self.kv_cache_file, self.kv_cache = shared_kv_cache(shape, self.dtype)
         else:
             self.kv_cache = self.backend.allocate_kv_cache(shape, self.dtype, self.device)
-        layers = [mod for mod in self.model.modules() if isinstance(mod, PagedAttention)]
-        assert len(layers) == m.num_layers
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        bind_kv_cache(self.model, self.kv_cache, (PagedAttention, MultiHeadLatentAttention))
 
     def prepare(self, sched: SchedulerOutput):
         """Flat inputs for the step, and which flat rows need logits (with their sequences)."""

@@ -1,10 +1,11 @@
 """Where a sequence's K/V bytes lie in a worker's paged cache, by token position.
 
-ModelRunner.kv_cache is [2, num_layers, slots, kv_heads, head_dim]: one token's K (or V) of one
-layer is a contiguous row of kv_heads * head_dim values, and a block's rows are consecutive
-slots. The two workers' block tables differ, so both sides turn the same token positions into
-runs of consecutive slots of their own table; a layer's payload is then K of every run, then V
-of every run, in position order, on either side."""
+ModelRunner.kv_cache is [planes, num_layers, slots, heads, dim] (engine/kv_spec.py): one token's K
+(or V) of one layer is a contiguous row of heads * dim values, and a block's rows are consecutive
+slots; an MLA model's cache has one plane, its latent rows. The two workers' block tables differ,
+so both sides turn the same token positions into runs of consecutive slots of their own table; a
+layer's payload is then K of every run, then V of every run (each plane in turn), in position
+order, on either side."""
 import ctypes
 
 import torch
@@ -32,7 +33,7 @@ class KVLayout:
 
     def __init__(self, kv_cache: torch.Tensor):
         self.kv_cache = kv_cache
-        _, self.num_layers, self.num_slots, heads, dim = kv_cache.shape
+        self.planes, self.num_layers, self.num_slots, heads, dim = kv_cache.shape
         self.row_bytes = heads * dim * kv_cache.element_size()
         self.on_cpu = kv_cache.device.type == "cpu"
         if self.on_cpu:
@@ -41,15 +42,16 @@ class KVLayout:
             self.raw = memoryview(raw).cast("B")
 
     @classmethod
-    def of_buffer(cls, buf: memoryview, num_layers: int, num_slots: int, row_bytes: int) -> "KVLayout":
+    def of_buffer(cls, buf: memoryview, planes: int, num_layers: int, num_slots: int, row_bytes: int) -> "KVLayout":
         """A read-only layout over raw cache bytes (another worker's cache, mapped)."""
         layout = cls.__new__(cls)
         layout.kv_cache, layout.num_layers, layout.num_slots, layout.row_bytes = None, num_layers, num_slots, row_bytes
+        layout.planes = planes
         layout.on_cpu, layout.raw = True, buf.cast("B") if buf.format != "B" else buf
         return layout
 
     def layer_bytes(self, runs) -> int:
-        return 2 * sum(c for _, c in runs) * self.row_bytes
+        return self.planes * sum(c for _, c in runs) * self.row_bytes
 
     def _offset(self, kv: int, layer: int, slot: int) -> int:
         return ((kv * self.num_layers + layer) * self.num_slots + slot) * self.row_bytes
@@ -59,7 +61,7 @@ class KVLayout:
         if self.on_cpu:
             rb = self.row_bytes
             return [self.raw[self._offset(kv, layer, s):self._offset(kv, layer, s) + c * rb]
-                    for kv in (0, 1) for s, c in runs]
+                    for kv in range(self.planes) for s, c in runs]
         slots = self._slots(runs)
         return [memoryview(self.kv_cache[:, layer, slots].contiguous().cpu().view(torch.uint8).numpy()).cast("B")]
 
@@ -73,7 +75,7 @@ class KVLayout:
         assert len(payload) == self.layer_bytes(runs)
         if self.on_cpu:
             rb, at = self.row_bytes, 0
-            for kv in (0, 1):
+            for kv in range(self.planes):
                 for s, c in runs:
                     o = self._offset(kv, layer, s)
                     self.raw[o:o + c * rb] = payload[at:at + c * rb]
@@ -81,7 +83,7 @@ class KVLayout:
             return
         slots = self._slots(runs)
         _, _, _, heads, dim = self.kv_cache.shape
-        src = torch.frombuffer(payload, dtype=torch.uint8).view(self.kv_cache.dtype).view(2, len(slots), heads, dim)
+        src = torch.frombuffer(payload, dtype=torch.uint8).view(self.kv_cache.dtype).view(self.planes, len(slots), heads, dim)
         self.kv_cache[:, layer].index_copy_(1, slots, src.to(self.kv_cache.device))
 
     def _slots(self, runs) -> torch.Tensor:

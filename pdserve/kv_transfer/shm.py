@@ -67,14 +67,15 @@ class RemoteCaches:
     def layout(self, path: str, num_slots: int, like: KVLayout) -> KVLayout:
         if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(PREFIX):
             raise ValueError(f"{path!r} is not a pdserve KV cache file")
-        size = 2 * like.num_layers * num_slots * like.row_bytes
+        size = like.planes * like.num_layers * num_slots * like.row_bytes
         entry = self._maps.get(path)
         if entry is None or entry[1].num_slots != num_slots:
             with open(path, "rb") as f:
                 if os.fstat(f.fileno()).st_size != size:
                     raise ValueError(f"{path} does not hold a cache of this model's layout ({size} bytes)")
                 m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-            entry = self._maps[path] = (m, KVLayout.of_buffer(memoryview(m), like.num_layers, num_slots, like.row_bytes))
+            entry = self._maps[path] = (m, KVLayout.of_buffer(memoryview(m), like.planes, like.num_layers, num_slots,
+                                                                     like.row_bytes))
         return entry[1]
 
 

@@ -1,6 +1,7 @@
 """The architectures pdserve runs. Each class reads its family's config.json (config_fields) and
 names its input embedding (embed_module); this dict is the whole plugin system: a new Llama-like
 family is one more entry."""
+from pdserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pdserve.models.granite import GraniteForCausalLM
 from pdserve.models.llama import LlamaForCausalLM
@@ -32,4 +33,5 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }

@@ -15,13 +15,14 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
 from pdserve.layers.moe import FusedMoE, Routing, SparseMoeBlock, select_experts
 from pdserve.models import ARCHITECTURES
-from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_last_position_logits_match,
-                           assert_outputs_survive_cache_preemption_and_speculation, corpus_prompts, hf_greedy)
+from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_greedy_batch_equals_transformers,
+                           assert_last_position_logits_match, assert_outputs_survive_cache_preemption_and_speculation,
+                           hf_greedy)
 
 NEW_TOKENS = 12
 # make_model's tiny checkpoints (tools/make_model.py): 8 experts, top 2, windows of 16 (Qwen2-MoE's
@@ -62,12 +63,7 @@ def test_tiny_checkpoints_have_the_parts_under_test(model_path):
 
 
 def test_greedy_batch_equals_transformers(llm, model_path):
-    prompts = corpus_prompts(llm.tokenizer)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == reference(model_path, tuple(prompt)), f"prompt of {len(prompt)} tokens"
-    assert max(o.metrics.num_prefill_steps for o in outs) > 1   # the 200-token prompt was chunked
-    llm.engine.block_manager.check_all_free()
+    assert_greedy_batch_equals_transformers(llm, model_path, reference, NEW_TOKENS)
 
 
 def test_last_position_logits_match(llm, model_path):

@@ -20,7 +20,7 @@ LLAMA3_ROPE_TIED = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low
 VARIANTS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "mistral": ("mistral", {}), "opt": ("opt", {}),
             "opt-350m-style": ("opt", OPT_350M_STYLE), "llama3-rope-tied": ("llama", LLAMA3_ROPE_TIED)}
 VARIANTS.update({arch: (arch, {}) for arch in ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")})
-VARIANTS.update({arch: (arch, {}) for arch in ("qwen2_moe", "qwen3_moe", "mixtral")})
+VARIANTS.update({arch: (arch, {}) for arch in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")})
 
 
 def load(path):
@@ -57,6 +57,8 @@ def test_files_and_family_shapes(variant):
     elif name == "opt-350m-style":
         assert not cfg["do_layer_norm_before"]
         assert {"model.decoder.project_in.weight", "model.decoder.project_out.weight"} <= names
+    elif name == "deepseek_v3":   # latent attention: the heads share the latent, no K/V head count of its own
+        assert cfg["num_attention_heads"] == cfg["num_key_value_heads"] == 4
     else:
         assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2
     if name in ("llama", "mistral"):
@@ -91,6 +93,11 @@ def test_files_and_family_shapes(variant):
         assert cfg["layer_types"] == ["sliding_attention", "full_attention", "full_attention"]
     if name == "qwen3_moe":
         assert cfg["head_dim"] == 32 and cfg["norm_topk_prob"] and "model.layers.0.self_attn.q_norm.weight" in names
+    if name == "deepseek_v3":   # layer 0 dense, then routed and shared experts; MLA with q through its latent
+        assert cfg["first_k_dense_replace"] == 1 and "model.layers.0.mlp.gate_proj.weight" in names
+        assert {"model.layers.2.mlp.experts.7.down_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight",
+                "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.0.self_attn.q_a_proj.weight",
+                "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.self_attn.kv_b_proj.weight"} <= names
     if name == "llama3-rope-tied":
         assert cfg["rope_parameters"]["rope_type"] == "llama3" and cfg["rope_parameters"]["factor"] == 8.0
         assert "lm_head.weight" not in names
