@@ -57,9 +57,6 @@ from pdserve.errors import CheckpointError
 ARCHS = ("opt", "llama", "qwen2", "mistral", "gemma2", "gemma3", "phi3")
 ARCHS += ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")
 ARCHS += ("qwen2_moe", "qwen3_moe", "mixtral")
-# vision-language checkpoints (a tiny vision tower beside the text model): pdserve serves their text part
-VLM_TEXT = {"gemma3_vlm": "gemma3", "mistral3_vlm": "mistral", "ministral3_vlm": "ministral3"}
-ARCHS += tuple(VLM_TEXT)
 SIZES = ("tiny", "0.5b")
 INIT_GAIN = 2.0  # weight matrices: std = INIT_GAIN / sqrt(fan_in), 0.25 at width 64
 EMBED_GAIN = 8.0  # embeddings and lm_head: std = EMBED_GAIN / sqrt(dim), 1.0 at 64; sets the logit scale
@@ -123,6 +120,9 @@ FAMILIES["qwen3"] = FAMILIES["qwen2"]
 FAMILIES["qwen2_moe"] = FAMILIES["qwen3_moe"] = FAMILIES["qwen2"]
 for _arch in ("olmo2", "granite", "smollm3", "ministral", "ministral3", "mixtral"):
     FAMILIES[_arch] = FAMILIES["llama"]
+# vision-language checkpoints (a tiny vision tower beside the text model): pdserve serves their text part
+VLM_TEXT = {"gemma3_vlm": "gemma3", "mistral3_vlm": "mistral", "ministral3_vlm": "ministral3"}
+ARCHS += tuple(VLM_TEXT)
 for _arch, _text in VLM_TEXT.items():
     FAMILIES[_arch] = FAMILIES[_text]
 
