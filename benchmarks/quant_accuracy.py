@@ -5,7 +5,10 @@ round by round in one process so that a drift in the machine's bandwidth hits al
 Accuracy: next-token distributions on a fixed prompt set, teacher-forced (every position of
 every prompt, one prefill).
 
-    python -m benchmarks.quant_accuracy --model DIR [--prompts 16 --prompt-len 128 --rounds 5]
+    python -m benchmarks.quant_accuracy --model DIR [--prompts 16 --prompt-len 128 --rounds 5 --variants int8,int4,bf16]
+
+int8: 8-bit codes, an fp32 scale per output channel; int4: 4-bit codes, an fp32 scale and offset per
+group of 32 inputs (the lm_head int8); both made at load (--quantization).
 
 Per precision: top-1 agreement with fp32, mean overlap of the top-5 sets, how often fp32's top
 token is in the other's top-5 (vLLM's rule for comparing precisions), mean KL(fp32 || other) and
@@ -25,7 +28,8 @@ from pdserve.sampling_params import SamplingParams
 from tools.make_model import corpus_texts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = {"fp32": {}, "int8": {"quantization": "int8"}, "bf16": {"dtype": "bfloat16"}}
+VARIANTS = {"fp32": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+            "bf16": {"dtype": "bfloat16"}}
 
 
 def prompts_from_corpus(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -81,7 +85,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=os.path.join(REPO, "pdserve", "data", "default-model"))
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--variants", default="int8,bf16")
+    p.add_argument("--variants", default="int8,int4,bf16", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=5, help="interleaved speed rounds (0: skip the speed part)")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)

@@ -37,6 +37,7 @@ class ModelConfig:
     # a Hub quantized checkpoint's quantization_config, as pdserve serves it (pdserve/quantization)
     quantization: "HubQuantization | None" = field(default=None, repr=False)
     gguf_file: str | None = None   # a GGUF model: the file its config, tokenizer and weights come from
+    text_of: str | None = None     # a vision-language checkpoint's architecture, whose text part is served
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -57,6 +58,10 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{file}: not valid JSON ({e})") from None
         from pdserve.models import ARCHITECTURES   # here: the models import this module
+        from pdserve.models.vlm_text import VLM_TEXT, checkpoint_tensor_names, text_raw
+        text_of = next((a for a in raw.get("architectures") or [] if a in VLM_TEXT), None)
+        if text_of is not None:   # serve its language model (models/vlm_text.py)
+            raw = text_raw(raw, file, checkpoint_tensor_names(path))
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if raw.get("auto_map"):
@@ -70,12 +75,13 @@ class ModelConfig:
                                                  "served as the built-in %s", file, arch)
         if arch is None:
             raise CheckpointError(f"{file}: unsupported architecture {archs or 'none given'}; "
-                                  f"supported: {', '.join(ARCHITECTURES)}")
+                                  f"supported: {', '.join([*ARCHITECTURES, *VLM_TEXT])}")
         try:
             fields = ARCHITECTURES[arch].config_fields(raw)
         except KeyError as e:
             raise CheckpointError(f"{file}: missing field {e.args[0]!r} for {arch}") from None
-        cfg = cls(path, arch, **fields, torch_dtype=raw.get("dtype") or raw.get("torch_dtype"), raw=raw)
+        cfg = cls(path, arch, **fields, torch_dtype=raw.get("dtype") or raw.get("torch_dtype"), raw=raw,
+                  text_of=text_of)
         cfg._check(file)
         cfg.quantization = read_quantization(raw, file)   # refuses here, before a weight is read
         return cfg

@@ -1,5 +1,6 @@
 """Build a model from an HF checkpoint directory: config.json + safetensors (single or sharded)."""
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -15,6 +16,7 @@ from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.quantized import GroupQuantized, attach_shard, finish_quantized
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models import ARCHITECTURES
+from pdserve.models.vlm_text import text_weight_name
 from pdserve.quantization import quantized_tensors
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
@@ -63,8 +65,11 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str,
     tied = cfg.tie_word_embeddings
     if tied:  # to_empty gives each module its own tensor: tie again
         model.lm_head.weight = model.get_submodule(embed_module_name(cfg)).weight
+    if cfg.text_of is not None:
+        logging.getLogger("pdserve").info("%s: %s served as its text model %s (the vision tower is not loaded; "
+                                          "image inputs are refused)", cfg.path, cfg.text_of, cfg.architecture)
     if tensors is None:
-        tensors = gguf_tensors(cfg) if cfg.gguf_file else safetensors_tensors(cfg.path)
+        tensors = gguf_tensors(cfg) if cfg.gguf_file else safetensors_tensors(cfg.path, cfg.text_of is not None)
     if cfg.quantization is not None:   # AWQ / GPTQ / compressed-tensors parts -> one weight per linear
         tensors = quantized_tensors(cfg, tensors)
     fill(model, cfg, tensors)
@@ -78,14 +83,18 @@ def gguf_tensors(cfg: ModelConfig) -> Iterator[tuple[str, str, Tensorish]]:
     return tensors(open_gguf(cfg.gguf_file), cfg)
 
 
-def safetensors_tensors(path: str) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file, name, tensor) for every tensor of the checkpoint's safetensors files."""
+def safetensors_tensors(path: str, text_part: bool = False) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, name, tensor) for every tensor of the checkpoint's safetensors files; text_part: a
+    vision-language checkpoint's language model only, by its text model's names, the vision tower's
+    tensors never read (models/vlm_text.py)."""
     for file in weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             names = list(f.keys())
             for name in tqdm(names, desc=f"loading {os.path.basename(file)}", unit="tensor", leave=False,
                              disable=len(names) < 50 or not show_progress()):
-                yield file, name, f.get_tensor(name)
+                served = text_weight_name(name) if text_part else name
+                if served is not None:
+                    yield file, served, f.get_tensor(name)
 
 
 def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, str, Tensorish]]) -> None:

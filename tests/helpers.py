@@ -14,8 +14,11 @@ PROMPT_LENS = [1, 2, 7, 15, 16, 17, 33, 64, 120, 200]
 
 @functools.lru_cache(maxsize=None)
 def hf_model(path: str):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    # a vision-language checkpoint AutoModelForCausalLM does not map (Mistral 3): its image-text class
+    vlm = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def corpus_prompts(tokenizer, lens=PROMPT_LENS, offset=0) -> list[list[int]]:

@@ -2,7 +2,7 @@
 
 The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral; Gemma 2, Gemma 3
 (text), Phi-3; Qwen3, OLMo 2, Granite, SmolLM3, Ministral, Ministral 3; Qwen2-MoE, Qwen3-MoE,
-Mixtral, DeepSeek-V3) and saved with
+Mixtral, DeepSeek-V3; the vision-language Gemma 3 and Mistral 3 / Ministral 3 with a tiny vision tower) and saved with
 `save_pretrained(safe_serialization=True)`; the tokenizer is a byte-level BPE trained with HF
 `tokenizers` on the corpus shipped in tools/corpus, following each family's
 special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
@@ -121,6 +121,11 @@ FAMILIES["qwen3"] = FAMILIES["qwen2"]
 FAMILIES["qwen2_moe"] = FAMILIES["qwen3_moe"] = FAMILIES["qwen2"]
 for _arch in ("olmo2", "granite", "smollm3", "ministral", "ministral3", "mixtral", "deepseek_v3"):
     FAMILIES[_arch] = FAMILIES["llama"]
+# vision-language checkpoints (a tiny vision tower beside the text model): pdserve serves their text part
+VLM_TEXT = {"gemma3_vlm": "gemma3", "mistral3_vlm": "mistral", "ministral3_vlm": "ministral3"}
+ARCHS += tuple(VLM_TEXT)
+for _arch, _text in VLM_TEXT.items():
+    FAMILIES[_arch] = FAMILIES[_text]
 
 # Model shapes. Tiny: fast CPU tests, grouped-query attention for the llama family.
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, opt_ffn=256, max_pos=1024, vocab=1500)
@@ -219,6 +224,8 @@ def build_config(arch: str, size: str, vocab_size: int, special_ids: dict, overr
     """A transformers config for `arch` at `size`; `overrides` are config fields set last."""
     import transformers
 
+    if arch in VLM_TEXT:
+        return vlm_config(arch, size, vocab_size, special_ids, overrides)
     s = TINY if size == "tiny" else QWEN05B
     std = INIT_GAIN / math.sqrt(s["hidden"])  # recorded in the config; init_weights does the actual init
     common = dict(vocab_size=vocab_size, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
@@ -323,6 +330,25 @@ def deepseek_v3_config(kw: dict, tiny: bool, overrides: dict):
                                             **overrides})
 
 
+def vlm_config(arch: str, size: str, vocab_size: int, special_ids: dict, overrides: dict):
+    """Gemma 3 4B+ (Gemma3ForConditionalGeneration: a SigLIP tower) and Mistral Small 3.1 / Ministral 3
+    (Mistral3ForConditionalGeneration: a Pixtral tower) as the Hub ships them: the text family's config
+    as text_config, a one-layer vision tower of width 32 on 28-pixel images. `overrides` go to the text
+    config, except tie_word_embeddings (the composite config's, as transformers ties by it)."""
+    import transformers
+
+    text = build_config(VLM_TEXT[arch], size, vocab_size, special_ids,
+                        {k: v for k, v in overrides.items() if k != "tie_word_embeddings"})
+    tie = overrides.get("tie_word_embeddings", text.tie_word_embeddings)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    if arch == "gemma3_vlm":
+        return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                         tie_word_embeddings=tie)
+    return transformers.Mistral3Config(text_config=text, vision_config=dict(vision, head_dim=16),
+                                       tie_word_embeddings=tie)
+
+
 def gemma_config(arch: str, kw: dict, overrides: dict):
     """Gemma 2 / Gemma 3 (text) at the tiny sizes: head_dim 16 (real Gemma's 256 is beyond the CPU
     attention kernels, which take 16-128), local layers interleaved with global ones (layer 0 local,
@@ -359,7 +385,9 @@ MODEL_CLASSES.update(qwen3="Qwen3ForCausalLM", olmo2="Olmo2ForCausalLM", granite
                      smollm3="SmolLM3ForCausalLM", ministral="MinistralForCausalLM",
                      ministral3="Ministral3ForCausalLM", qwen2_moe="Qwen2MoeForCausalLM",
                      qwen3_moe="Qwen3MoeForCausalLM", mixtral="MixtralForCausalLM",
-                     deepseek_v3="DeepseekV3ForCausalLM")
+                     deepseek_v3="DeepseekV3ForCausalLM",
+                     gemma3_vlm="Gemma3ForConditionalGeneration", mistral3_vlm="Mistral3ForConditionalGeneration",
+                     ministral3_vlm="Mistral3ForConditionalGeneration")
 
 
 def init_weights(model, seed: int) -> None:
@@ -443,7 +471,7 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=ids["bos"], eos_token_id=eos if len(eos) > 1 else eos[0], pad_token_id=ids["pad"])
     model.save_pretrained(out_dir, safe_serialization=True)
-    save_tokenizer(tok, arch, out_dir, config.max_position_embeddings)
+    save_tokenizer(tok, arch, out_dir, config.get_text_config().max_position_embeddings)
     return out_dir
 
 

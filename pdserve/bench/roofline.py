@@ -14,11 +14,11 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
-from pdserve.bench.roofline_report import findings, plot, print_table, record
+from pdserve.bench.roofline_report import experts_finding, findings, plot, print_table, record
 from pdserve.bench.step_cost import ModelCost, StepCost, phase_steps, step_cost
 from pdserve.config import ModelConfig
 from pdserve.arg_types import int_at_least
@@ -35,21 +35,64 @@ OVERHEAD_STEPS = 5
 
 # --- measuring the engine's forward -------------------------------------------------------------
 
-def time_step(engine, seqs: list[tuple[int, int]], ids: list[int], repeats: int) -> tuple[list[float], list[float]]:
+def held_bytes_per_weight(model: torch.nn.Module) -> dict[str, float]:
+    """Bytes per weight of the layers' linears, the lm_head and the routed experts as the model holds
+    them, i.e. as a step reads them: a packed or group-quantized linear's codes plus its scales and
+    offsets (int8, int4, a GGUF file's or a Hub checkpoint's codes), a torch linear's weight. A
+    part the model lacks is 0."""
+    from pdserve.layers.moe import FusedMoE
+    held = {"linear": [0, 0], "lm_head": [0, 0], "experts": [0, 0]}
+    for name, m in model.named_modules():
+        if isinstance(m, FusedMoE):
+            parts = [m.gate_up_proj, m.down_proj]
+            held["experts"][0] += sum(p.nbytes for p in parts)
+            held["experts"][1] += sum(p.numel() for p in parts)
+        elif hasattr(m, "in_features") and hasattr(m, "out_features"):
+            tensors = [m.weight] if isinstance(m, torch.nn.Linear) else \
+                [b for n, b in m.named_buffers(recurse=False) if n in ("packed", "scale", "offset")]
+            part = held["lm_head" if name == "lm_head" else "linear"]
+            part[0] += sum(t.nbytes for t in tensors)
+            part[1] += m.in_features * m.out_features
+    return {k: b / n if n else 0.0 for k, (b, n) in held.items()}
+
+
+class ExpertCounter:
+    """Counts the routed experts each forward selects, summed over the MoE layers: forward hooks on
+    the routers, whose (weights, ids) output names each token's experts."""
+
+    def __init__(self, model: torch.nn.Module):
+        from pdserve.layers.moe import Router
+        self.count = 0
+        self.handles = [m.register_forward_hook(self.hook) for m in model.modules() if isinstance(m, Router)]
+
+    def hook(self, module, inputs, output):
+        self.count += int(output[1].unique().numel())
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def time_step(engine, seqs: list[tuple[int, int]], ids: list[int], repeats: int,
+              experts: ExpertCounter | None = None) -> tuple[list[float], list[float]]:
     """Run one hand-built step (after a warm-up) and return its forward times and its whole
-    runner.execute times (with input preparation and sampling)."""
+    runner.execute times (with input preparation and sampling). experts: counts the last run's
+    routed experts (the same step each run)."""
     bm, runner = engine.block_manager, engine.runner
     sched, params = SchedulerOutput(), SamplingParams(temperature=0)
     forward, execute = [], []
     try:
         for i, (q, c) in enumerate(seqs):
-            seq = Sequence(f"roofline-{i}", ids[:c], params, 0.0)
+            # each its own tokens (a mixture of experts routes them apart, as real requests)
+            seq = Sequence(f"roofline-{i}", ids[i:i + c], params, 0.0)
             # Pretend the first c - q tokens are cached: only positions and lengths matter for timing.
             seq.num_computed_tokens = c - q
             seq.prefill_len = c if q > 1 else c - 1
             bm.allocate(seq, c)
             sched.add(seq, q)
         for r in range(repeats + 1):
+            if experts is not None:
+                experts.count = 0
             t0 = time.perf_counter()
             runner.execute(sched)
             if r:
@@ -238,12 +281,17 @@ def run(args) -> int:
     probe_args = (args.quick, ["float32", "bfloat16", dtype], max(repeats, 3))
     limits = machine_limits.measure(*probe_args)
 
-    packed = {"int8": 1, "bf16": 2, "fp32": 4}.get(engine.runner.weight_format, 0)   # CPU packed linears
-    mc = ModelCost.from_config(engine.model_config, engine.runner.dtype.itemsize, packed)
+    held = held_bytes_per_weight(engine.runner.model)
+    mc = replace(ModelCost.from_config(engine.model_config, engine.runner.dtype.itemsize), weight_itemsize=held["linear"],
+                 lm_head_itemsize=held["lm_head"], expert_itemsize=held["experts"])
+    print("weights as held (what a step reads): " + ", ".join(
+        f"{k} {8 * v:.2f} bits/weight" for k, v in held.items() if v))
+    # a mixture of experts: each point's expert reads counted from its routers (the step's own routing)
+    experts = ExpertCounter(engine.runner.model) if mc.moe_layers else None
     vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
-    ids = torch.randint(vocab, (max([oc] + [c for _, _, c in points]),),
+    ids = torch.randint(vocab, (max([oc] + [c for _, _, c in points]) + max([b for _, b, _ in points] + [1]),),
                         generator=torch.Generator().manual_seed(0)).tolist()
-    bm, timed, measured = engine.block_manager, {}, []
+    bm, timed, measured, expert_reads = engine.block_manager, {}, [], []
     for phase, b, c in points:
         seqs, rows = phase_steps(phase, b, c)
         if b * -(-c // bm.block_size) > bm.num_blocks:
@@ -252,10 +300,16 @@ def run(args) -> int:
         # a nocache step is the very step of a prefill of the same length: time it once
         key = (tuple(seqs), rows)
         if key not in timed:
-            timed[key] = time_step(engine, seqs, ids, repeats)
+            timed[key] = *time_step(engine, seqs, ids, repeats, experts), experts and experts.count
             print(f"  {phase} batch {b} context {c}: {statistics.median(timed[key][0]) * 1e3:.2f} ms",
                   file=sys.stderr, flush=True)
-        measured.append((phase, b, c, step_cost(mc, seqs, rows), rows, *timed[key]))
+        forward, execute, counted = timed[key]
+        measured.append((phase, b, c, step_cost(mc, seqs, rows, counted), rows, forward, execute))
+        if experts is not None:
+            expert_reads.append(dict(phase=phase, batch=b, context=c, counted=counted,
+                                     expected=mc.experts_read(sum(q for q, _ in seqs))))
+    if experts is not None:
+        experts.close()
     read = None
     # the memory-bound decode points (batch 1 and 4) at the smallest decode context
     small = sorted((c, b) for phase, b, c in points if phase == "decode" and b <= 4)
@@ -263,7 +317,7 @@ def run(args) -> int:
         context, steps = small[0][0], {}
         for b in (b for c, b in small if c == context):
             seqs, rows = phase_steps("decode", b, context)
-            steps[b] = (step_cost(mc, seqs, rows), seqs)
+            steps[b] = (next(m[3] for m in measured if m[:3] == ("decode", b, context)), seqs)
         read = side_by_side_read(engine, steps, ids, limits.read_bytes, args.read_rounds)
     peak_rounds = None
     if args.peak_rounds:
@@ -290,6 +344,8 @@ def run(args) -> int:
     recs = [record(*m, peak, bw) for m in measured]
     print_table(recs)
     notes = findings(recs, peak, bw, dtype, overhead, read, overhead_final, peak_rounds)
+    if expert_reads:
+        notes.insert(0, experts_finding(mc, expert_reads))
     print("\nfindings (on a shared machine times are noisy):")
     for line in notes:
         print(f"  - {line}")
@@ -300,7 +356,8 @@ def run(args) -> int:
                                       cost=asdict(mc), kv_bytes_per_token=mc.kv_bytes_per_token),
                            roof=dict(bandwidth=bw, peak_flops=peak, ridge=peak / bw),
                            points=recs, overhead=overhead, overhead_final_only=overhead_final,
-                           side_by_side_read=read, side_by_side_peak=peak_rounds, findings=notes), f, indent=1)
+                           side_by_side_read=read, side_by_side_peak=peak_rounds, findings=notes,
+                           weights_held_bytes_per_weight=held, expert_reads=expert_reads or None), f, indent=1)
         print(f"wrote {args.output}")
     if args.plot:
         plot(args.plot, recs, limits, dtype, engine.model_name)

@@ -112,6 +112,20 @@ def findings(recs: list[dict], peak: float, bandwidth: float, dtype: str, overhe
     return out
 
 
+def experts_finding(cost, reads: list[dict]) -> str:
+    """What a mixture of experts' weight-read line counts: attention, dense and shared weights every
+    step, and the routed experts each measured step selected, counted from its routers (beside the
+    expectation under uniform routing)."""
+    per_layer = cost.moe_layers
+    shown = [r for r in reads if r["phase"] == "decode"] or reads
+    return (f"mixture of experts ({cost.moe_layers} layers of {cost.num_experts} experts, top {cost.top_k}): the "
+            f"weight-read line is attention, dense and shared weights plus the routed experts each step selected, "
+            f"counted from the routers in the measured run (distinct experts per layer; uniform routing's "
+            f"expectation in brackets): " + ", ".join(
+                f"{r['phase']} batch {r['batch']} context {r['context']} {r['counted'] / per_layer:.2f} "
+                f"[{r['expected'] / per_layer:.2f}]" for r in shown))
+
+
 def print_table(recs: list[dict]) -> None:
     if not recs:
         return

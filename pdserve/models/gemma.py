@@ -14,9 +14,8 @@ The Llama decoder with Gemma's differences, all read from config.json as transfo
     (rope_local_base_freq, or rope_parameters["sliding_attention"]); rope scaling is the global layers'.
 The embedding is always tied to the lm_head in Gemma checkpoints (tie_word_embeddings defaults to true).
 
-Gemma3ForConditionalGeneration (4B and up: a vision tower beside the text model) is not registered:
-its text weights sit under language_model.* beside vision_tower.* and multi_modal_projector.*, which
-the loader has no way to skip, so config.py refuses it in one line (unsupported architecture)."""
+Gemma3ForConditionalGeneration (4B and up: a vision tower beside the text model) is served as this
+text model, its vision tower never read (models/vlm_text.py)."""
 import os
 
 import torch

@@ -5,7 +5,7 @@ llama_4_scaling_beta), one sliding window (or none) for every layer.
 
 The Hub ships Ministral 3 and Mistral 3 as Mistral3ForConditionalGeneration (a Pixtral vision
 tower, a projector and this text model under model.language_model, its config.json's text_config):
-pdserve serves text-only checkpoints, and refuses that architecture (docs/ARCHITECTURE.md)."""
+pdserve serves its text part (models/vlm_text.py)."""
 from dataclasses import replace
 
 from pdserve.config import ModelConfig

@@ -140,6 +140,21 @@ class TextPart(_Strict):
     text: str
 
 
+# content parts of other modalities, as OpenAI's chat and Responses APIs spell them
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file", "input_file")
+
+
+def refuse_media(content: Any) -> Any:
+    """A content list with an image (audio, video, file) part is a 400 that names it: pdserve serves
+    text prompts only, of vision-language checkpoints too (their text part, models/vlm_text.py)."""
+    for part in content if isinstance(content, list) else []:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise ValueError(f"content parts of type {kind} are not supported: pdserve serves text inputs "
+                             "only (of a vision-language model, its text part)")
+    return content
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -150,6 +165,8 @@ class ChatMessage(_Strict):
     # such as Qwen3's read message.reasoning_content
     reasoning_content: str | None = None
     reasoning: str | None = None
+
+    _no_media = field_validator("content", mode="before")(refuse_media)
 
     def as_template_dict(self) -> dict:
         # Templates expect content as one string; text parts are joined as OpenAI does.

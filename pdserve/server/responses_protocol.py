@@ -7,9 +7,10 @@ declared here so that a request that sets them is refused naming the field (resp
 """
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
 from pdserve.errors import RequestError
+from pdserve.server.protocol import refuse_media
 
 
 class _Strict(BaseModel):
@@ -41,6 +42,8 @@ class InputItem(_Strict):
     arguments: str | None = None
     output: list[ContentPart] | str | None = None
     summary: list[ContentPart] | None = None   # a reasoning item's
+
+    _no_media = field_validator("content", "output", mode="before")(refuse_media)
 
     @model_validator(mode="after")
     def _fields_of_its_type(self):

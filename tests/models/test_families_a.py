@@ -249,13 +249,3 @@ def test_configs_it_cannot_serve_exactly_are_refused(make_tiny, tmp_path):
     msg = refused(edited(make_tiny, tmp_path, "ministral", lambda r: r.update(
         layer_types=["chunked_attention", "full_attention"])))
     assert "chunked_attention" in msg
-
-
-def test_mistral3_vision_language_checkpoints_are_refused(tmp_path):
-    """The Hub's Mistral 3 / Ministral 3 checkpoints (Mistral3ForConditionalGeneration: a vision
-    tower, a projector and the text model under model.language_model) are not served."""
-    raw = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
-           "text_config": dict(BASE, model_type="ministral3", rope_parameters=YARN), "vision_config": {}}
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    msg = refused(str(tmp_path))
-    assert "Mistral3ForConditionalGeneration" in msg

@@ -177,13 +177,6 @@ def test_configs_it_cannot_serve_exactly_are_refused(make_tiny, tmp_path, arch, 
     assert reason in refusal(variant_of(make_tiny(arch), str(tmp_path / "m"), **changes))
 
 
-def test_gemma3_with_a_vision_tower_is_refused(make_tiny, tmp_path):
-    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: not served (gemma.py says why)."""
-    path = variant_of(make_tiny("gemma3"), str(tmp_path / "mm"), architectures=["Gemma3ForConditionalGeneration"],
-                      model_type="gemma3")
-    assert "unsupported architecture ['Gemma3ForConditionalGeneration']" in refusal(path)
-
-
 def test_a_phi3_checkpoint_without_its_fused_tensor_is_refused(make_tiny, tmp_path):
     path = variant_of(make_tiny("phi3"), str(tmp_path / "m"))
     weights = os.path.join(path, "model.safetensors")
