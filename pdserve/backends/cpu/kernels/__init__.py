@@ -1,6 +1,7 @@
 """Small compiled CPU kernels where torch has none fast enough on our machines (docs/BENCHMARKS.md):
-linear_cpu.cpp (linears on pre-packed weights, whose tiles packed_tiles.h holds), quant_linear_cpu.cpp
-(the same on 4/8-bit group-quantized codes, dequantized in registers), argmax_cpu.cpp
+linear_cpu.cpp (linears on pre-packed weights, whose tiles packed_tiles.h holds, the bf16 ones on AMX
+in amx_tiles.h), quant_linear_cpu.cpp (the same on 4/8-bit group-quantized codes, dequantized in
+registers), argmax_cpu.cpp
 (greedy tokens from the packed lm_head without the logits), attention_cpu.cpp (decode attention read
 straight from the paged KV cache), prefill_attention_cpu.cpp (causal attention of prefill chunks,
 also read in place), activation_cpu.cpp (SwiGLU's silu(gate) * up and GeGLU's gelu_tanh(gate) * up
@@ -34,7 +35,8 @@ SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "quant_l
                                            "attention_cpu.cpp", "prefill_attention_cpu.cpp",
                                            "activation_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp", "buffer_pool.cpp",
                                            "decoder_cpu.cpp", "moe_cpu.cpp")]
-HEADERS = [os.path.join(_DIR, f) for f in ("vec.h", "buffer_pool.h", "decoder.h", "ops.h", "packed_tiles.h", "amx_tiles.h")]
+HEADERS = [os.path.join(_DIR, f) for f in ("vec.h", "buffer_pool.h", "decoder.h", "ops.h", "packed_tiles.h",
+                                           "amx_tiles.h")]
 CFLAGS = ["-O3", "-fopenmp"]
 # Per instruction set: the compiler's flags (CPU_CAPABILITY picks ATen's vector implementation) and
 # the /proc/cpuinfo flags a CPU needs to run the build. The AVX-512 build also takes AVX512-BF16's
