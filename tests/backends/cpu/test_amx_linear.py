@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("cpu_isa", "bf16_dot")
 
 
 @pytest.fixture
-def amx():
+def amx(bf16_dot):
     """The tiles on for the test (the dot products after it as before); skips where the CPU has none."""
     if "amx_bf16" not in _cpu_flags():
         pytest.skip("this CPU has no AMX-BF16")
