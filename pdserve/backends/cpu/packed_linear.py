@@ -6,7 +6,8 @@ which kernels/linear_cpu.cpp streams once per step for any number of rows, in fp
 or int8 (weight-only: one fp32 scale per output channel, symmetric). Activations stay fp32 inside
 the kernel; the result is cast back to the model's dtype. Where the CPU has AVX512-BF16 a bf16
 model's weights are packed in k-pairs instead ("bf16x2": (N/16, K/2, 32)) and multiplied by bf16
-dot products, twice the multiply-adds per instruction of fp32 FMAs."""
+dot products, twice the multiply-adds per instruction of fp32 FMAs; where it also has AMX-BF16, batches
+of 8 rows and more run on AMX tiles, which read that same layout (kernels/amx_tiles.h)."""
 import torch
 from torch import nn
 

@@ -1,6 +1,7 @@
 """Small compiled CPU kernels where torch has none fast enough on our machines (docs/BENCHMARKS.md):
-linear_cpu.cpp (linears on pre-packed weights, whose tiles packed_tiles.h holds), quant_linear_cpu.cpp
-(the same on 4/8-bit group-quantized codes, dequantized in registers), argmax_cpu.cpp
+linear_cpu.cpp (linears on pre-packed weights, whose tiles packed_tiles.h holds, the bf16 ones on AMX
+in amx_tiles.h), quant_linear_cpu.cpp (the same on 4/8-bit group-quantized codes, dequantized in
+registers), argmax_cpu.cpp
 (greedy tokens from the packed lm_head without the logits), attention_cpu.cpp (decode attention read
 straight from the paged KV cache), prefill_attention_cpu.cpp (causal attention of prefill chunks,
 also read in place), activation_cpu.cpp (SwiGLU's silu(gate) * up and GeGLU's gelu_tanh(gate) * up
@@ -34,14 +35,16 @@ SOURCES = [os.path.join(_DIR, f) for f in ("ops.cpp", "linear_cpu.cpp", "quant_l
                                            "attention_cpu.cpp", "prefill_attention_cpu.cpp",
                                            "activation_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp", "buffer_pool.cpp",
                                            "decoder_cpu.cpp", "moe_cpu.cpp")]
-HEADERS = [os.path.join(_DIR, f) for f in ("vec.h", "buffer_pool.h", "decoder.h", "ops.h", "packed_tiles.h")]
+HEADERS = [os.path.join(_DIR, f) for f in ("vec.h", "buffer_pool.h", "decoder.h", "ops.h", "packed_tiles.h",
+                                           "amx_tiles.h")]
 CFLAGS = ["-O3", "-fopenmp"]
 # Per instruction set: the compiler's flags (CPU_CAPABILITY picks ATen's vector implementation) and
 # the /proc/cpuinfo flags a CPU needs to run the build. The AVX-512 build also takes AVX512-BF16's
-# dot products (used only where the CPU has them: cpu_supports_bf16_dot).
+# dot products (used only where the CPU has them: cpu_supports_bf16_dot) and AMX's bf16 tiles (used only
+# where the CPU has them and the kernel checks at run time: amx_tiles.h).
 ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c",
-               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+               "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
 ISA_CPU_FLAGS = {

@@ -3,6 +3,7 @@
 // copy of an fp32 lm_head and checks its few candidates exactly.
 #include "ops.h"
 #include "packed_tiles.h"
+#include "amx_tiles.h"
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -157,9 +158,7 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch:
   if (pairs) {
     TORCH_CHECK(kBf16Dot, "k-pair panels need a build with AVX512-BF16 (this one is ", pdserve::kIsa, ")");
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-    auto xb = x.to(at::kBFloat16);
-    linear_dp_impl(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K,
-                   reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, out);
+    linear_pairs(x.to(at::kBFloat16), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, out);
 #endif
   } else if (packed.scalar_type() == at::kFloat) {
     linear_impl<float>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), Npad, out);
@@ -249,7 +248,8 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
   const float* xp = x.data_ptr<float>();
   const float* cn = col_norm.data_ptr<float>();
   if (!(col_norm_max < 1e30)) return fallback();
-  // 3.2 gamma, not 2: the dot products' adds may round other than to nearest (2u each, not u)
+  // 3.2 gamma, not 2: the dot products' adds (AVX512-BF16's or AMX's: amx_tiles.h) may round other than
+  // to nearest (2u each, not u); both flush denormals (the slack below)
   const double u = std::ldexp(1.0, -24), gamma = K * u / (1 - K * u);
   const double rel = (std::ldexp(1.0, -8) + std::ldexp(1.0, -17) + 3.2 * gamma) * 1.0001;
   std::vector<float> radius(M), slack(M);
@@ -267,9 +267,7 @@ torch::Tensor packed_linear_argmax_screened(torch::Tensor x, torch::Tensor packe
   std::vector<std::vector<float>> lo_max(threads, std::vector<float>(M, -INFINITY));
   std::vector<std::vector<std::vector<ScreenOut::Candidate>>> kept(threads, std::vector<std::vector<ScreenOut::Candidate>>(M));
   const ScreenOut out{{scratch.data_ptr<float>(), M, n}, lo_max.data(), kept.data(), cn, radius.data(), slack.data()};
-  auto xb = x.to(at::kBFloat16);
-  linear_dp_impl(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K,
-                 reinterpret_cast<const uint16_t*>(screen.data_ptr<at::BFloat16>()), Npad, out);
+  linear_pairs(x.to(at::kBFloat16), reinterpret_cast<const uint16_t*>(screen.data_ptr<at::BFloat16>()), Npad, out);
   // A row with more candidates (near-equal logits: an untrained model's flat ones) gets the full fp32
   // argmax instead, all such rows in one call: checking them one panel at a time would cost more.
   constexpr size_t kMaxCandidates = 512;

@@ -1,6 +1,7 @@
 // Linear layers for CPU decode: y = x @ W^T (+ bias), on the packed tiles of packed_tiles.h.
 #include "ops.h"
 #include "packed_tiles.h"
+#include "amx_tiles.h"
 
 using namespace pdserve::tiles;
 
@@ -42,10 +43,22 @@ torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed) {
   auto y = pdserve::pooled_empty({M, Npad});
   if (M == 0) return y;
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-  linear_dp_impl(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
-                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad, DenseOut{y.data_ptr<float>(), Npad});
+  linear_pairs(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), Npad,
+               DenseOut{y.data_ptr<float>(), Npad});
 #endif
   return y;
+}
+
+// Whether the k-pair products run on AMX tiles where they can (amx_tiles.h): `enable` 0 or 1
+// switches them off or on (the tests and A/B runs compare both), -1 only asks. Returns whether
+// they are on and this CPU and process can use them.
+bool set_amx(int64_t enable) {
+#if defined(PDSERVE_AMX)
+  if (enable >= 0) amx_enabled = enable != 0;
+  return amx_enabled && amx_supported();
+#else
+  return false;
+#endif
 }
 
 // Rows W[ids] read back from the packed layout, (n, K) fp32: the tied input embedding (one copy of

@@ -62,8 +62,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "y = x @ W^T with W packed in 16-channel panels (linear_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear_bf16_pairs", &packed_linear_bf16_pairs,
-        "y = x @ W^T, bf16 x and W in k-pair panels, AVX512-BF16 dot products (linear_cpu.cpp; AVX-512 build)",
+        "y = x @ W^T, bf16 x and W in k-pair panels, AVX512-BF16 dot products or AMX tiles (linear_cpu.cpp; AVX-512 build)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("set_amx", &set_amx, "k-pair products on AMX tiles where they can (1), not (0), or ask (-1): whether they are "
+        "on and usable (linear_cpu.cpp)", py::arg("enable") = -1);
   m.def("quant_linear", &quant_linear,
         "y = x @ W^T with W group-quantized (4/8-bit codes, scale, offset) in 16-channel panels (quant_linear_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());

@@ -6,6 +6,7 @@
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale);
 torch::Tensor packed_linear_bf16_pairs(torch::Tensor x, torch::Tensor packed);
+bool set_amx(int64_t enable);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor offset);
 torch::Tensor packed_rows(torch::Tensor packed, torch::Tensor scale, torch::Tensor ids);
 torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor bias,
