@@ -1,8 +1,9 @@
 """The group-quantized linear kernel (kernels/quant_linear_cpu.cpp, backends/cpu/quant_linear.py):
 on both builds, equal to the torch reference (the dequantized weight times x in fp32) within fp32
 accumulation tolerance, for 4- and 8-bit codes, groups of 16, 32, 128 and per channel, with and
-without offsets, output sizes off the 64-channel tile, batch 1 and 33; the packed form keeps no
-dense copy of the weight."""
+without offsets, output sizes off the 64-channel tile; batch 1 and 6 (one row tile: codes widened
+in registers) and 33 (more: each k-block dequantized once into a buffer the row tiles share), groups
+that straddle the buffer's k-blocks; the packed form keeps no dense copy of the weight."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ def _reference(x, gq, bias):
 @pytest.mark.parametrize("bits,offsets", [(4, True), (8, True), (8, False)])
 @pytest.mark.parametrize("group", [16, 32, 128, "K"])
 @pytest.mark.parametrize("n_out", [64, 200, 77])
-@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("rows", [1, 6, 33])
 def test_equals_dequantized_reference(bits, offsets, group, n_out, rows):
     n_in = 256 if group != "K" else 160
     gq = _codes(n_out, n_in, bits, n_in if group == "K" else group, offsets, seed=n_out + rows)
@@ -48,12 +49,25 @@ def test_equals_dequantized_reference(bits, offsets, group, n_out, rows):
 
 
 def test_k_blocks_span_groups_and_rows_span_tiles():
-    """K over the kernel's 2048-input k-block (partial sums carried between blocks) and rows over
-    a 96-row block."""
+    """K over the kernels' k-blocks (2048 inputs for one row tile, 128 for more; partial sums
+    carried between blocks) and rows over a 96-row block."""
     gq = _codes(130, 4608, 4, 32, True, seed=3)
     x = torch.randn(100, 4608)
     got = QuantLinear(torch.nn.Linear(4608, 130, bias=False), gq)(x)
     torch.testing.assert_close(got, _reference(x, gq, None), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 96), (8, 48), (8, 200)])
+@pytest.mark.parametrize("rows", [6, 7, 40])
+def test_groups_straddling_the_dequantized_blocks(bits, group, rows):
+    """Groups that end inside a 128-input k-block of the many-row path (groups of 200 span two
+    blocks), on either side of its one-row-tile threshold."""
+    n_in = 600 if group == 200 else 384
+    gq = _codes(70, n_in, bits, group, True, seed=rows)
+    x = torch.randn(rows, n_in)
+    got = QuantLinear(torch.nn.Linear(n_in, 70, bias=False), gq)(x)
+    bound = (x.abs().double() @ gq.dequantize().abs().double().T).float() * 1e-6 + 1e-6
+    assert ((got - _reference(x, gq, None)).abs() <= bound).all()
 
 
 def test_zero_rows():
