@@ -2,6 +2,7 @@
 names its input embedding (embed_module); this dict is the whole plugin system: a new Llama-like
 family is one more entry."""
 from pdserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pdserve.models.gpt_oss import GptOssForCausalLM
 from pdserve.models.granite import GraniteForCausalLM
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.mixtral import MixtralForCausalLM
@@ -32,4 +33,5 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
