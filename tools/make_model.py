@@ -37,6 +37,8 @@ that drops a bias or a norm weight produces different tokens. Measured on the ti
     ours: qwen2_moe (dense layer 1)    1.61     0.22       0.5%
     ours: qwen3_moe (windows of 48)    1.56     0.22       0.5%
     ours: mixtral (windows of 48)      1.71     0.24       0.6%
+    ours: gpt_oss (window 32, sinks)   1.55     0.27       0.5%
+    ours: gpt_oss --mxfp4              1.60     0.24       0.6%
     (qwen2 0.5b, 64 positions:         1.80)
 
 Logits stay finite (|logit| < 100), changing one early prompt token changes about 40-55% of

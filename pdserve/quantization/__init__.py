@@ -22,6 +22,7 @@ def quantized_tensors(cfg, tensors: Iterable[tuple]) -> Iterator[tuple]:
     (file, "<linear>.weight", GroupQuantized | dense tensor); other tensors pass through."""
     quant: HubQuantization = cfg.quantization
     if quant.method == "mxfp4":   # not linears: the MoE layer keeps the experts' blocks and scales as they are
+        logger.info("%s: the linears dense, the experts MXFP4", quant.describe())
         yield from tensors
         return
     reader = READERS[quant.method]
