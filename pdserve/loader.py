@@ -112,9 +112,10 @@ def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, 
                 needed.update({(f"{name}.{p}", i): f"{path}.{source}.{p}"
                                for source, (m, i) in stacked.items() if m == merged})
     # checkpoint tensors that each fill part of a parameter (an MoE model's per-expert tensors in its
-    # stacked experts): name -> (parameter, index along its first dim or None, (first row, rows) or None)
+    # stacked experts): name -> (parameter, index along its first dim or None, (first row, rows) or None
+    # [, a function from the checkpoint's layout to the parameter's, e.g. gpt-oss's transposed experts])
     sliced = model.checkpoint_tensors() if hasattr(model, "checkpoint_tensors") else {}
-    for name, (target, _, _) in sliced.items():
+    for name, (target, *_) in sliced.items():
         needed.pop((target, None), None)
         needed[(target, name)] = name
     skips = getattr(model, "skips_tensor", lambda name: False)   # tensors the family does not use (DeepSeek's MTP)
@@ -125,8 +126,10 @@ def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, 
             if name.endswith(IGNORED_SUFFIXES) or skips(name):
                 continue
             if name in sliced:
-                target, index, rows = sliced[name]
+                target, index, rows, *convert = sliced[name]
                 dest = params[target] if index is None else params[target][index]
+                if convert and isinstance(tensor, torch.Tensor):
+                    tensor = convert[0](tensor)
                 load_slice(file, name, tensor, dest, rows)
                 loaded.add((target, name))
                 continue

@@ -2,7 +2,8 @@
 
 The model is built by transformers' own classes (OPT, Llama, Qwen2, Mistral; Gemma 2, Gemma 3
 (text), Phi-3; Qwen3, OLMo 2, Granite, SmolLM3, Ministral, Ministral 3; Qwen2-MoE, Qwen3-MoE,
-Mixtral, DeepSeek-V3; the vision-language Gemma 3 and Mistral 3 / Ministral 3 with a tiny vision tower) and saved with
+Mixtral, DeepSeek-V3, gpt-oss (`--mxfp4`: its experts in MXFP4 as the Hub ships them); the vision-language Gemma 3 and
+Mistral 3 / Ministral 3 with a tiny vision tower) and saved with
 `save_pretrained(safe_serialization=True)`; the tokenizer is a byte-level BPE trained with HF
 `tokenizers` on the corpus shipped in tools/corpus, following each family's
 special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
@@ -38,6 +39,8 @@ that drops a bias or a norm weight produces different tokens. Measured on the ti
     ours: qwen3_moe (windows of 48)    1.56     0.22       0.5%
     ours: mixtral (windows of 48)      1.71     0.24       0.6%
     ours: deepseek_v3 (MLA, dense 0)  1.59     0.26       0.6%
+    ours: gpt_oss (window 32, sinks)   1.55     0.27       0.5%
+    ours: gpt_oss --mxfp4              1.60     0.24       0.6%
     (qwen2 0.5b, 64 positions:         1.80)
 
 Logits stay finite (|logit| < 100), changing one early prompt token changes about 40-55% of
@@ -57,7 +60,7 @@ from pdserve.errors import CheckpointError
 
 ARCHS = ("opt", "llama", "qwen2", "mistral", "gemma2", "gemma3", "phi3")
 ARCHS += ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")
-ARCHS += ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+ARCHS += ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 SIZES = ("tiny", "0.5b", "hub")
 INIT_GAIN = 2.0  # weight matrices: std = INIT_GAIN / sqrt(fan_in), 0.25 at width 64
 EMBED_GAIN = 8.0  # embeddings and lm_head: std = EMBED_GAIN / sqrt(dim), 1.0 at 64; sets the logit scale
@@ -121,6 +124,19 @@ FAMILIES["qwen3"] = FAMILIES["qwen2"]
 FAMILIES["qwen2_moe"] = FAMILIES["qwen3_moe"] = FAMILIES["qwen2"]
 for _arch in ("olmo2", "granite", "smollm3", "ministral", "ministral3", "mixtral", "deepseek_v3"):
     FAMILIES[_arch] = FAMILIES["llama"]
+# gpt-oss: harmony's special tokens after the vocabulary; a turn is <|start|>role<|message|>...<|end|>,
+# the assistant's answer ends with <|return|> (a tool call with <|call|>)
+HARMONY_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"
+)
+FAMILIES["gpt_oss"] = dict(
+    leading=[], trailing=["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                          "<|constrain|>", "<|return|>", "<|call|>"],
+    bos="<|startoftext|>", eos="<|return|>", pad="<|endoftext|>", unk=None, add_bos=False, regex=LLAMA3_REGEX,
+    nfc=False, template=HARMONY_TEMPLATE, extra_eos=["<|endoftext|>", "<|call|>"])
 # vision-language checkpoints (a tiny vision tower beside the text model): pdserve serves their text part
 VLM_TEXT = {"gemma3_vlm": "gemma3", "mistral3_vlm": "mistral", "ministral3_vlm": "ministral3"}
 ARCHS += tuple(VLM_TEXT)
@@ -280,6 +296,8 @@ def build_config(arch: str, size: str, vocab_size: int, special_ids: dict, overr
         return moe_config(arch, kw, tiny, head_dim, overrides)
     if arch == "deepseek_v3":
         return deepseek_v3_config(kw, tiny, overrides)
+    if arch == "gpt_oss":
+        return gpt_oss_config(kw, tiny, head_dim, overrides)
     return transformers.Qwen2Config(**{**kw, "use_sliding_window": False, **overrides})
 
 
@@ -349,6 +367,22 @@ def vlm_config(arch: str, size: str, vocab_size: int, special_ids: dict, overrid
                                        tie_word_embeddings=tie)
 
 
+def gpt_oss_config(kw: dict, tiny: bool, head_dim: int, overrides: dict):
+    """gpt-oss: 8 experts, top 2, layers alternating windowed (32) and full, YaRN (factor 8 past
+    128 positions at tiny size), biases everywhere, and a SwiGLU clamp the tiny model's gates and
+    ups reach (swiglu_limit 1.5; 7 in the real models, where activations are larger). Its expert
+    sizes are multiples of 32, so that --mxfp4 can write them as MXFP4 blocks."""
+    import transformers
+
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0 if tiny else 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128 if tiny else 4096}
+    return transformers.GptOssConfig(**{**kw, "head_dim": head_dim, "num_local_experts": 8 if tiny else 32,
+                                        "num_experts_per_tok": 2 if tiny else 4, "sliding_window": 32 if tiny else 128,
+                                        "intermediate_size": kw["hidden_size"] if tiny else 2880,
+                                        "rope_parameters": rope, "swiglu_limit": 1.5 if tiny else 7.0,
+                                        "attention_bias": True, "rms_norm_eps": 1e-5, **overrides})
+
+
 def gemma_config(arch: str, kw: dict, overrides: dict):
     """Gemma 2 / Gemma 3 (text) at the tiny sizes: head_dim 16 (real Gemma's 256 is beyond the CPU
     attention kernels, which take 16-128), local layers interleaved with global ones (layer 0 local,
@@ -387,7 +421,8 @@ MODEL_CLASSES.update(qwen3="Qwen3ForCausalLM", olmo2="Olmo2ForCausalLM", granite
                      qwen3_moe="Qwen3MoeForCausalLM", mixtral="MixtralForCausalLM",
                      deepseek_v3="DeepseekV3ForCausalLM",
                      gemma3_vlm="Gemma3ForConditionalGeneration", mistral3_vlm="Mistral3ForConditionalGeneration",
-                     ministral3_vlm="Mistral3ForConditionalGeneration")
+                     ministral3_vlm="Mistral3ForConditionalGeneration",
+                     gpt_oss="GptOssForCausalLM")
 
 
 def init_weights(model, seed: int) -> None:
@@ -401,8 +436,12 @@ def init_weights(model, seed: int) -> None:
         for name, p in model.named_parameters():  # tied weights appear once
             if p.dim() >= 2:
                 gain = EMBED_GAIN if "embed" in name or "lm_head" in name else INIT_GAIN
-                std = gain / math.sqrt(p.shape[-1])  # [(experts,) out, in] for linears, [rows, dim] for embeddings
+                # [(experts,) out, in] for linears, [rows, dim] for embeddings; gpt-oss's experts are [E, in, out]
+                fan_in = p.shape[-2] if ".experts." in name and model.config.model_type == "gpt_oss" else p.shape[-1]
+                std = gain / math.sqrt(fan_in)
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif name.endswith("sinks"):   # gpt-oss's sink logits: about the size of the attention scores
+                p.copy_(torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * ONE_D_STD)
             else:  # norm weights
@@ -413,13 +452,16 @@ def init_weights(model, seed: int) -> None:
 
 
 def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0, force: bool = False,
-               **config_overrides) -> str:
-    """Write a random-init checkpoint of `arch` at `size` to out_dir; returns out_dir."""
+               mxfp4: bool = False, **config_overrides) -> str:
+    """Write a random-init checkpoint of `arch` at `size` to out_dir; returns out_dir. mxfp4 (gpt_oss
+    only): its experts written as MXFP4 blocks and scales, as the Hub ships gpt-oss."""
     import torch
     import transformers
 
     if arch not in ARCHS:
         raise CheckpointError(f"{out_dir}: unknown --arch {arch!r} (choose from {', '.join(ARCHS)})")
+    if mxfp4 and arch != "gpt_oss":
+        raise CheckpointError(f"{out_dir}: --mxfp4 is for --arch gpt_oss (its experts), not {arch}")
     if size not in SIZES:
         raise CheckpointError(f"{out_dir}: unknown --size {size!r} (choose from {', '.join(SIZES)})")
     if size == "hub":
@@ -472,7 +514,32 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
         bos_token_id=ids["bos"], eos_token_id=eos if len(eos) > 1 else eos[0], pad_token_id=ids["pad"])
     model.save_pretrained(out_dir, safe_serialization=True)
     save_tokenizer(tok, arch, out_dir, config.get_text_config().max_position_embeddings)
+    if mxfp4:
+        write_mxfp4_experts(out_dir)
     return out_dir
+
+
+def write_mxfp4_experts(out_dir: str) -> None:
+    """Replace a gpt-oss checkpoint's dense experts by MXFP4 in the Hub's layout: for each of
+    mlp.experts.gate_up_proj (E, H, 2I) and down_proj (E, I, H), `<name>_blocks` uint8
+    (E, out, in / 32, 16) and `<name>_scales` uint8 (E, out, in / 32) of the (E, out, in)
+    transpose (pdserve/quantization/mxfp4.py's quantize), and config.json's quantization_config
+    quant_method mxfp4 with the modules gpt-oss leaves unquantized."""
+    from safetensors.torch import load_file, save_file
+    from pdserve.quantization.mxfp4 import quantize
+
+    file = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize(tensors.pop(name).transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, file, metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 # ---------------------------------------------------------------- CLI
@@ -494,12 +561,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty out_dir")
+    parser.add_argument("--mxfp4", action="store_true", help="gpt_oss: write the experts in MXFP4, as the Hub ships them")
     parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. --set tie_word_embeddings=true (repeatable)")
 
 
 def run(args) -> int:
-    out = make_model(args.out_dir, args.arch, args.size, args.seed, force=args.force, **dict(args.overrides))
+    out = make_model(args.out_dir, args.arch, args.size, args.seed, force=args.force, mxfp4=args.mxfp4,
+                     **dict(args.overrides))
     print(f"wrote {args.arch} {args.size} checkpoint to {out}")
     return 0
 

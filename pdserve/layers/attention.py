@@ -125,13 +125,15 @@ def _masked_group(q_lens: list[int], starts: list[int], ctx_lens: list[int], blo
 class PagedAttention(nn.Module):
     """sliding_window: this layer's (None: full attention; models with interleaved local and global
     layers give each its own). logit_softcap: scores become cap * tanh(scores / cap) before the
-    softmax (Gemma 2), None: none."""
+    softmax (Gemma 2), None: none. sinks: a learned logit per head (`sinks`, gpt-oss) that joins
+    each query's softmax denominator and has no value: the weights of the real keys sum below one."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, logit_softcap: float | None = None):
+                 sliding_window: int | None = None, logit_softcap: float | None = None, sinks: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         # Set by the model runner once the cache is allocated: (num_slots, Hkv, D) views.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -148,25 +150,31 @@ class PagedAttention(nn.Module):
             kg = self._gather(self.k_cache, g)                  # (B, Hkv, K, D)
             vg = self._gather(self.v_cache, g)
             mask = g.mask_for(self.sliding_window)
-            if self.logit_softcap is None:
+            if self.logit_softcap is None and self.sinks is None:
                 og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self.scale,
                                                     enable_gqa=self.num_heads != self.num_kv_heads)
             else:
-                og = self._softcapped(qg, kg, vg, mask)
+                og = self._explicit(qg, kg, vg, mask)
             og = og.transpose(1, 2)                               # (B, Q, H, D)
             out[g.token_idx[g.query_valid]] = og[g.query_valid]
         return out.reshape(q.shape[0], -1)
 
-    def _softcapped(self, q, k, v, mask):
-        """SDPA with capped scores (SDPA itself has no cap). q: (B, H, Q, D), k, v: (B, Hkv, K, D)."""
+    def _explicit(self, q, k, v, mask):
+        """SDPA with capped scores or sinks (SDPA itself has neither). q: (B, H, Q, D), k, v: (B, Hkv, K, D)."""
         rep = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (q @ k.transpose(-1, -2)) * self.scale
-        scores = self.logit_softcap * torch.tanh(scores / self.logit_softcap)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if self.logit_softcap is not None:
+            scores = self.logit_softcap * torch.tanh(scores / self.logit_softcap)
+        scores = scores.masked_fill(~mask, float("-inf")).float()
+        if self.sinks is not None:   # one more logit per head in the softmax, dropped after it
+            B, H, Q, _ = scores.shape
+            scores = torch.cat([scores, self.sinks.float().view(1, H, 1, 1).expand(B, H, Q, 1)], dim=-1)
         # a padded query row has no valid key: its output is dropped, only keep it finite
-        probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(v.dtype)
-        return probs @ v
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        if self.sinks is not None:
+            probs = probs[..., :-1]
+        return probs.to(v.dtype) @ v
 
     @staticmethod
     def _gather(cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

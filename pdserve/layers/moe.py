@@ -9,7 +9,12 @@ parameter per kind for all E experts: gate_up (E, 2I, H), gate rows then up rows
 (`expert_tensors`). A step's (token, expert) pairs are sorted by expert, so each selected
 expert's weights are read once for all the tokens routed to it (vLLM's FusedMoE, llama.cpp's
 mul_mat_id); the weighted outputs are added back to their tokens. This torch forward is the
-reference the CPU kernel is tested against."""
+reference the CPU kernel is tested against.
+
+gpt-oss's experts add a bias to both products and a clamped SwiGLU (`swiglu` = (alpha, limit)),
+and ship as MXFP4 (quantization/mxfp4.py): then the stacked parameters are the checkpoint's blocks
+and scales (`gate_up_proj_blocks`, `..._scales`, ...), and an expert's rows are decoded only when a
+step selects it."""
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.activation import SiluAndMul
+from pdserve.quantization.mxfp4 import BLOCK as MXFP4_BLOCK, dequantize as mxfp4_dequantize
 
 
 @dataclass(frozen=True)
@@ -86,15 +92,48 @@ class Router(nn.Module):
         return select_experts(logits, self.routing, bias)
 
 
-class FusedMoE(nn.Module):
-    """E SwiGLU experts, stacked: gate_up_proj (E, 2I, H), down_proj (E, H, I)."""
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of (n, 2I) gate then up columns: the gate clamped above at limit, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate), in transformers' order."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+
+class FusedMoE(nn.Module):
+    """E SwiGLU experts, stacked: gate_up_proj (E, 2I, H), down_proj (E, H, I); with bias,
+    gate_up_proj_bias (E, 2I) and down_proj_bias (E, H); swiglu (alpha, limit): gpt-oss's clamped
+    SwiGLU (None: silu(gate) * up); mxfp4: the weights as MXFP4 blocks and scales instead,
+    gate_up_proj_blocks (E, 2I, H / 32, 16), down_proj_blocks (E, H, I / 32, 16) and their scales."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 swiglu: tuple[float, float] | None = None, mxfp4: bool = False):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        E, H, I = num_experts, hidden_size, intermediate_size
+        self.mxfp4, self.swiglu = mxfp4, swiglu
+        if mxfp4:
+            if H % MXFP4_BLOCK or I % MXFP4_BLOCK:
+                raise ValueError(f"MXFP4 experts need hidden {H} and intermediate {I} sizes divisible by {MXFP4_BLOCK}")
+            for name, rows, cols in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
+                n = cols // MXFP4_BLOCK
+                self.register_parameter(f"{name}_blocks", nn.Parameter(
+                    torch.empty(E, rows, n, 16, dtype=torch.uint8), requires_grad=False))
+                self.register_parameter(f"{name}_scales", nn.Parameter(
+                    torch.empty(E, rows, n, dtype=torch.uint8), requires_grad=False))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+            self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H)) if bias else None
         self.act = SiluAndMul()
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's gate_up (2I, H) and down (H, I) weights (MXFP4: decoded to dtype)."""
+        if not self.mxfp4:
+            return self.gate_up_proj[e], self.down_proj[e]
+        return (mxfp4_dequantize(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e], dtype),
+                mxfp4_dequantize(self.down_proj_blocks[e], self.down_proj_scales[e], dtype))
 
     def checkpoint_tensors(self, prefix: str, names: tuple[str, str, str]) -> dict[str, tuple[str, int, tuple | None]]:
         """The per-expert checkpoint tensors this layer's stacked parameters hold: name ->
@@ -124,13 +163,20 @@ class FusedMoE(nn.Module):
         for e, n in enumerate(counts):
             if n:   # expert e's weights, once for its n rows
                 rows = slice(start, start + n)
-                ys[rows] = F.linear(self.act(F.linear(xs[rows], self.gate_up_proj[e])), self.down_proj[e])
+                w13, w2 = self.expert(e, x.dtype)
+                h = F.linear(xs[rows], w13)
+                if self.gate_up_proj_bias is not None:   # added after the product, as transformers adds it
+                    h = h + self.gate_up_proj_bias[e]
+                h = self.act(h) if self.swiglu is None else clamped_swiglu(h, *self.swiglu)
+                y = F.linear(h, w2)
+                ys[rows] = y if self.down_proj_bias is None else y + self.down_proj_bias[e]
                 start += n
         ys = (ys.float() * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, ys)
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+                + (", mxfp4" if self.mxfp4 else ""))
 
 
 class SparseMoeBlock(nn.Module):

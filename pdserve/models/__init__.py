@@ -3,6 +3,7 @@ names its input embedding (embed_module); this dict is the whole plugin system: 
 family is one more entry."""
 from pdserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pdserve.models.gpt_oss import GptOssForCausalLM
 from pdserve.models.granite import GraniteForCausalLM
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.mixtral import MixtralForCausalLM
@@ -34,4 +35,5 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }

@@ -21,6 +21,10 @@ def quantized_tensors(cfg, tensors: Iterable[tuple]) -> Iterator[tuple]:
     """The checkpoint's tensors with each quantized linear's parts replaced by one
     (file, "<linear>.weight", GroupQuantized | dense tensor); other tensors pass through."""
     quant: HubQuantization = cfg.quantization
+    if quant.method == "mxfp4":   # not linears: the MoE layer keeps the experts' blocks and scales as they are
+        logger.info("%s: the linears dense, the experts MXFP4", quant.describe())
+        yield from tensors
+        return
     reader = READERS[quant.method]
     pending: dict[str, dict] = {}       # linear -> {part: tensor}, until all its parts have come
     files: dict[str, str] = {}

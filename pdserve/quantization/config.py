@@ -3,7 +3,8 @@ vLLM reads it (`quant_method`), and refused in one line where pdserve cannot ser
 
 Served: AWQ (GEMM packing, zero points), GPTQ (4/8-bit, any group size, sym or not, act-order,
 checkpoint format v1 or v2), compressed-tensors (pack-quantized / int-quantized / naive-quantized
-integer weights with no activation quantization, float-quantized FP8 weights served dense).
+integer weights with no activation quantization, float-quantized FP8 weights served dense), MXFP4
+(gpt-oss's experts, kept as blocks and scales: quantization/mxfp4.py).
 Everything is checked here, before a weight is read."""
 import json
 import re
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pdserve.errors import CheckpointError, ConfigError
 
-SERVED = ("awq", "gptq", "compressed-tensors")
+SERVED = ("awq", "gptq", "compressed-tensors", "mxfp4")
 # methods transformers / vLLM know that pdserve does not read, with the reason given to the user
 NOT_SERVED = {
     "bitsandbytes": "its NF4/FP4/LLM.int8 blocks are not in pdserve's group form",
@@ -23,7 +24,7 @@ NOT_SERVED = {
     "awq_marlin": "Marlin's GPU tile layout is not read (use the AWQ checkpoint it was made from)",
     "fp8": "block-FP8 checkpoints (quant_method fp8) are not read; compressed-tensors FP8 is",
     "eetq": "int8 kernels of its own layout", "aqlm": "additive codebooks", "quanto": "optimum-quanto's layout",
-    "gguf": "serve the .gguf file itself", "mxfp4": "MXFP4 is not in pdserve's group form",
+    "gguf": "serve the .gguf file itself",
     "modelopt": "NVIDIA ModelOpt's FP8/FP4 layout is not read", "torchao": "torchao's tensor subclasses are not read",
     "vptq": "vector-quantized codebooks", "higgs": "Hadamard codebooks", "spqr": "sparse outliers",
     "fbgemm_fp8": "FBGEMM's FP8 layout is not read", "bitnet": "ternary weights", "auto-round": "auto-round's own layout",
@@ -54,6 +55,8 @@ class HubQuantization:
     ignore: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
+        if self.method == "mxfp4":
+            return "mxfp4 (experts' blocks and scales, decoded where they are multiplied)"
         schemes = [self.scheme] if self.scheme else [s for _, s in self.groups]
         parts = sorted({("fp8 (served dense)" if s.kind == "fp8" else
                          f"int{s.bits} {'per channel' if s.group_size == -1 else f'group {s.group_size}'}"
@@ -100,6 +103,10 @@ def read_quantization(raw: dict, file: str) -> HubQuantization | None:
         return _awq(qc, file, where)
     if method == "gptq":
         return _gptq(qc, file, where)
+    if method == "mxfp4":   # gpt-oss's experts: the model reads the blocks and scales (quantization/mxfp4.py)
+        if raw.get("architectures") != ["GptOssForCausalLM"]:
+            _refuse(where, f"MXFP4 on {raw.get('architectures')} (pdserve reads it for GptOssForCausalLM's experts)")
+        return HubQuantization("mxfp4", file, ignore=list(qc.get("modules_to_not_convert") or []))
     return _compressed(qc, file, where)
 
 

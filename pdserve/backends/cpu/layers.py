@@ -63,7 +63,7 @@ class CpuRotaryEmbedding(RotaryEmbedding):
 
 class CpuPagedAttention(PagedAttention):
     """kernels/attention_cpu.cpp (decodes) and prefill_attention_cpu.cpp (prefill chunks) over the
-    cache in place (soft cap included), where the step's metadata is the kernels' (an AttentionStep)."""
+    cache in place (soft cap and sinks included), where the step's metadata is the kernels' (an AttentionStep)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
@@ -78,28 +78,41 @@ class CpuPagedAttention(PagedAttention):
         out = torch.empty(q.shape, dtype=torch.float32)
         qf = q.float().contiguous()
         B = s.decode_ctx.shape[0]
+        sinks = None if self.sinks is None else self.sinks.detach().float().contiguous()
         if B:   # decodes: one query each, rows first_row.. (a slice) or decode_rows
             rows = s.decode_rows if s.decode_first_row < 0 else slice(s.decode_first_row, s.decode_first_row + B)
             out[rows] = cpu_ops().paged_decode_attention(qf[rows].contiguous(), self.k_cache, self.v_cache,
                                                          s.decode_tables, s.decode_ctx, s.block_size, self.scale,
-                                                         self.sliding_window or 0, self.logit_softcap or 0.0)
+                                                         self.sliding_window or 0, self.logit_softcap or 0.0, sinks)
         if s.prefill_q_lens.shape[0]:   # prefill chunks, written into out in place
             cpu_ops().paged_prefill_attention(qf, self.k_cache, self.v_cache, s.prefill_tables, s.prefill_starts,
                                               s.prefill_q_lens, s.prefill_ctx, out, s.block_size, self.scale,
-                                              self.sliding_window or 0, self.logit_softcap or 0.0)
+                                              self.sliding_window or 0, self.logit_softcap or 0.0, sinks)
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 
 class CpuFusedMoE(FusedMoE):
     """kernels/moe_cpu.cpp: the experts in one call, each selected expert's weights read once per
-    step (fp32 or bf16 experts; the activations fp32, the result cast to the model's dtype)."""
+    step (fp32, bf16 or MXFP4 experts, decoded in the kernel; biases and gpt-oss's clamped SwiGLU;
+    the activations fp32, the result cast to the model's dtype)."""
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self.gate_up_proj, self.down_proj
-        if w13.dtype not in (torch.float32, torch.bfloat16) or not (w13.is_contiguous() and w2.is_contiguous()):
+        if self.mxfp4:
+            w13, w2 = self.gate_up_proj_blocks, self.down_proj_blocks
+            scales = dict(s13=self.gate_up_proj_scales.detach(), s2=self.down_proj_scales.detach())
+        else:
+            w13, w2, scales = self.gate_up_proj, self.down_proj, {}
+            if w13.dtype not in (torch.float32, torch.bfloat16):
+                return super().forward(x, weights, ids)
+        if not (w13.is_contiguous() and w2.is_contiguous()):
             return super().forward(x, weights, ids)
+        bias = {}
+        if self.gate_up_proj_bias is not None:
+            bias = dict(b13=self.gate_up_proj_bias.detach().float().contiguous(),
+                        b2=self.down_proj_bias.detach().float().contiguous())
+        alpha, limit = self.swiglu or (1.0, 0.0)
         y = cpu_ops().fused_moe(x.float().contiguous(), weights.float().contiguous(), ids.long().contiguous(),
-                                w13.detach(), w2.detach())
+                                w13.detach(), w2.detach(), swiglu_alpha=alpha, swiglu_limit=limit, **bias, **scales)
         return y.to(x.dtype)
 
 

@@ -84,6 +84,8 @@ def stack_arguments(model: nn.Module, spec: DecoderSpec) -> dict:
         attn = layer.get_submodule(spec.attention)
         if not isinstance(attn, PagedAttention) or attn.k_cache is None:
             raise Unsupported(f"{spec.attention} is not a paged attention with its cache bound")
+        if getattr(attn, "sinks", None) is not None:
+            raise Unsupported("attention sinks (the stack's attention has none)")
         windows.append(attn.sliding_window or 0)
         caps.add(attn.logit_softcap or 0.0)
         t["k_cache"], t["v_cache"] = attn.k_cache, attn.v_cache

@@ -77,3 +77,59 @@ def test_bad_arguments_are_refused():
         cpu_ops().fused_moe(x, weights, ids, w13, w2.bfloat16())
     with pytest.raises(RuntimeError, match="w13 must be"):
         cpu_ops().fused_moe(x[:, :16].contiguous(), weights, ids, w13, w2)
+
+
+# ---------------------------------------------------------------- gpt-oss's experts: biases, clamped SwiGLU, MXFP4
+
+def gpt_oss_experts(E: int, H: int, I: int, mxfp4: bool, seed: int = 2) -> FusedMoE:
+    """Experts with biases and gpt-oss's clamp (a limit the products pass), dense fp32 or MXFP4."""
+    from pdserve.quantization.mxfp4 import quantize
+    torch.manual_seed(seed)
+    moe = FusedMoE(E, H, I, bias=True, swiglu=(1.702, 1.0), mxfp4=mxfp4)
+    w13, w2 = torch.randn(E, 2 * I, H) * 2 / H ** 0.5, torch.randn(E, H, I) / I ** 0.5
+    with torch.no_grad():
+        if mxfp4:
+            for name, w in (("gate_up_proj", w13), ("down_proj", w2)):
+                blocks, scales = quantize(w)
+                getattr(moe, f"{name}_blocks").copy_(blocks)
+                getattr(moe, f"{name}_scales").copy_(scales)
+        else:
+            moe.gate_up_proj.copy_(w13)
+            moe.down_proj.copy_(w2)
+        moe.gate_up_proj_bias.copy_(torch.randn(E, 2 * I) * 0.5)
+        moe.down_proj_bias.copy_(torch.randn(E, H) * 0.5)
+    return moe
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["dense", "mxfp4"])
+@pytest.mark.parametrize("T, E, k, H, I", [(1, 8, 2, 64, 32), (37, 16, 4, 96, 64), (200, 32, 4, 128, 96)])
+def test_gpt_oss_experts_equal_torch(mxfp4, T, E, k, H, I):
+    moe = gpt_oss_experts(E, H, I, mxfp4)
+    x, weights, ids = routed(T, H, E, k)
+    want = moe(x * 2, weights, ids)
+    h = torch.nn.functional.linear(x * 2, moe.expert(int(ids[0, 0]), torch.float32)[0])
+    assert (h.abs() > 1.0).any()   # the clamp bites
+    moe.__class__ = CpuFusedMoE
+    got = moe(x * 2, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_experts_with_biases_and_clamp_equal_torch_on_their_values():
+    moe = gpt_oss_experts(8, 64, 32, mxfp4=False)
+    moe.gate_up_proj.data, moe.down_proj.data = moe.gate_up_proj.data.bfloat16(), moe.down_proj.data.bfloat16()
+    x, weights, ids = routed(19, 64, 8, 2)
+    got = cpu_ops().fused_moe(x, weights, ids, moe.gate_up_proj.detach(), moe.down_proj.detach(),
+                              b13=moe.gate_up_proj_bias.detach(), b2=moe.down_proj_bias.detach(),
+                              swiglu_alpha=1.702, swiglu_limit=1.0)
+    moe.gate_up_proj.data, moe.down_proj.data = moe.gate_up_proj.data.float(), moe.down_proj.data.float()
+    torch.testing.assert_close(got, moe(x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_experts_stay_mxfp4_and_bad_blocks_are_refused():
+    moe = gpt_oss_experts(4, 64, 32, mxfp4=True)
+    assert {p.dtype for n, p in moe.named_parameters() if "bias" not in n} == {torch.uint8}
+    x, weights, ids = routed(3, 64, 4, 2)
+    b, s = moe.gate_up_proj_blocks.detach(), moe.gate_up_proj_scales.detach()
+    with pytest.raises(RuntimeError, match="scales"):
+        cpu_ops().fused_moe(x, weights, ids, b, moe.down_proj_blocks.detach(), s13=s[:, :, :1].contiguous(),
+                            s2=moe.down_proj_scales.detach())

@@ -3,8 +3,10 @@
 // no padded mask: each key and value row is read once. Grouped-query attention: the G query heads
 // sharing a KV head are handled together, so each K/V row is read once per group, not per head.
 // A soft cap (Gemma 2: cap * tanh(score / cap)) is applied to the scores before the softmax.
+// Attention sinks (gpt-oss): a learned logit per head joins the softmax's denominator only.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "ops.h"
 #include "vec.h"
 #include <algorithm>
 #include <cmath>
@@ -17,15 +19,16 @@ using pdserve::fVec;
 using pdserve::kVec;
 constexpr int VP = 16 / kVec;   // vectors per 16 elements
 
-// softmax in place over s[0:n]
-inline void softmax(float* s, int64_t n) {
+// softmax in place over s[0:n] and a sink logit (-inf: none), which counts in the denominator only
+inline void softmax(float* s, int64_t n, float sink) {
   const fVec ninf(-INFINITY);
   fVec mx = ninf;
   for (int64_t i = 0; i < n; i += kVec) {
     const int64_t c = std::min<int64_t>(kVec, n - i);
     mx = pdserve::maxps(mx, fVec::set(ninf, fVec::loadu(s + i, c), c));
   }
-  const fVec vmax(pdserve::reduce_max(mx));
+  const float m = std::max(pdserve::reduce_max(mx), sink);
+  const fVec vmax(m);
   fVec sum(0.f);
   for (int64_t i = 0; i < n; i += kVec) {
     const int64_t c = std::min<int64_t>(kVec, n - i);
@@ -33,7 +36,7 @@ inline void softmax(float* s, int64_t n) {
     e.store(s + i, c);
     sum = sum + e;
   }
-  const fVec inv(1.f / pdserve::reduce_add(sum));
+  const fVec inv(1.f / (pdserve::reduce_add(sum) + std::exp(sink - m)));
   for (int64_t i = 0; i < n; i += kVec) {
     const int64_t c = std::min<int64_t>(kVec, n - i);
     (fVec::loadu(s + i, c) * inv).store(s + i, c);
@@ -156,11 +159,11 @@ inline void weigh_values(int64_t gn, const T* const* vrows, int64_t off, int64_t
 
 // C = head_dim / 16 is a template argument so that q and the accumulators live in registers
 // (up to head_dim 128 on AVX-512, 64 on AVX2; 256 spills, correct but unmeasured). cap: the
-// scores' soft cap, 0: none.
+// scores' soft cap, 0: none; sinks: (H,) each head's sink logit, nullptr: none.
 template <typename T, int C>
 void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* ctx,
                  float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t nb, int64_t bs,
-                 float scale, int64_t window, float cap) {
+                 float scale, int64_t window, float cap, const float* sinks) {
   const int64_t G = H / Hkv, row = Hkv * D;   // row: elements per cache slot
   // A task is a sequence's KV heads, or a part of them when there are fewer sequences than threads
   // to share: its keys and values are then read as whole contiguous slots, which the hardware
@@ -222,7 +225,8 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
       }
       if (cap > 0)
         for (int64_t g = 0; g < nh * G; ++g) cap_scores(scores.data() + g * len, len, cap);
-      for (int64_t g = 0; g < nh * G; ++g) softmax(scores.data() + g * len, len);
+      for (int64_t g = 0; g < nh * G; ++g)
+        softmax(scores.data() + g * len, len, sinks ? sinks[h0 * G + g] : -INFINITY);
       // pass 2: weighted sum of values. Each value row is loaded once per tile and head chunk and
       // feeds the accumulators of all the chunk's heads: GN x C independent FMA chains per key
       // (one head's C chains alone wait on the FMA latency).
@@ -247,10 +251,12 @@ void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables
 
 template <typename T>
 void decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& tables,
-            const torch::Tensor& ctx, torch::Tensor& out, int64_t bs, float scale, int64_t window, float cap) {
+            const torch::Tensor& ctx, torch::Tensor& out, int64_t bs, float scale, int64_t window, float cap,
+            const float* sinks) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
   auto args = std::make_tuple(q.data_ptr<float>(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables.data_ptr<int64_t>(),
-                              ctx.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, D, nb, bs, scale, window, cap);
+                              ctx.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, D, nb, bs, scale, window, cap,
+                              sinks);
   switch (D / 16) {
     case 1: std::apply(decode_impl<T, 1>, args); break;
     case 2: std::apply(decode_impl<T, 2>, args); break;
@@ -265,11 +271,12 @@ void decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor
 }  // namespace
 
 // q: (B, H, D) fp32; k_cache, v_cache: (slots, Hkv, D) fp32|bf16; block_tables: (B, nb) int64;
-// ctx_lens: (B,) int64 keys per sequence (including this step's); softcap: the scores' cap, 0: none.
-// Returns (B, H, D) fp32.
+// ctx_lens: (B,) int64 keys per sequence (including this step's); softcap: the scores' cap, 0: none;
+// sinks: (H,) fp32 sink logits (gpt-oss), none: no sinks. Returns (B, H, D) fp32.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
-                                     double scale, int64_t sliding_window, double softcap) {
+                                     double scale, int64_t sliding_window, double softcap,
+                                     std::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be (B, H, D) fp32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               "bad cache");
@@ -279,14 +286,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 96 || D == 128 || D == 256) && H % Hkv == 0 &&
               k_cache.size(2) == D, "unsupported head shape");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
+  const float* sink = pdserve::sink_logits(sinks, H);
   auto out = torch::empty_like(q);
   if (B == 0) return out;
   if (k_cache.scalar_type() == at::kFloat) {
     decode<float>(q, k_cache, v_cache, block_tables, ctx_lens, out, block_size, static_cast<float>(scale), sliding_window,
-                  static_cast<float>(softcap));
+                  static_cast<float>(softcap), sink);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     decode<at::BFloat16>(q, k_cache, v_cache, block_tables, ctx_lens, out, block_size, static_cast<float>(scale),
-                         sliding_window, static_cast<float>(softcap));
+                         sliding_window, static_cast<float>(softcap), sink);
   } else {
     TORCH_CHECK(false, "cache dtype must be float32 or bfloat16");
   }

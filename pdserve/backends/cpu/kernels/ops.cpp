@@ -78,15 +78,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "packed_linear_argmax of an fp32 W, screened on a bf16 copy and checked exactly (argmax_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
-        "one-query attention over the paged KV cache (attention_cpu.cpp)", py::call_guard<py::gil_scoped_release>());
+        "one-query attention over the paged KV cache (attention_cpu.cpp)", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("ctx_lens"), py::arg("block_size"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("softcap"), py::arg("sinks") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prefill chunks over the paged KV cache, into out (prefill_attention_cpu.cpp)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("q_starts"),
+        py::arg("q_lens"), py::arg("ctx_lens"), py::arg("out"), py::arg("block_size"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("softcap"), py::arg("sinks") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (activation_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu(x[:, :I], approximate='tanh') * x[:, I:] (activation_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("fused_moe", &fused_moe, "an MoE layer's SwiGLU experts, tokens grouped by expert (moe_cpu.cpp)",
+  m.def("fused_moe", &fused_moe,
+        "an MoE layer's SwiGLU experts (fp32, bf16 or MXFP4; biases, gpt-oss's clamp), tokens grouped by expert "
+        "(moe_cpu.cpp)", py::arg("x"), py::arg("weights"), py::arg("ids"), py::arg("w13"), py::arg("w2"),
+        py::arg("b13") = py::none(), py::arg("b2") = py::none(), py::arg("swiglu_alpha") = 1.0,
+        py::arg("swiglu_limit") = 0.0, py::arg("s13") = py::none(), py::arg("s2") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows (norm_cpu.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = RMSNorm(residual) (norm_cpu.cpp)",

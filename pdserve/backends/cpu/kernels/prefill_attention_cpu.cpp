@@ -6,7 +6,8 @@
 // 2048-token prefill (docs/BENCHMARKS.md). This is a flash-attention loop on the CPU: a tile of
 // query rows walks the keys a vector at a time with an online softmax, skipping every key tile that is
 // entirely in the future (half the work of a square mask) or outside the sliding window. A soft cap
-// (Gemma 2: cap * tanh(score / cap)) is applied to the scores before the softmax.
+// (Gemma 2: cap * tanh(score / cap)) is applied to the scores before the softmax. A head's sink
+// logit (gpt-oss) joins the denominator at the end: O / (l + exp(sink - m)), no value of its own.
 //
 // Work item: (sequence, kv head, tile of query positions). The G query heads sharing a KV head are
 // rows of the same tile, so each key block is transposed once for G x QT rows. Per block of NT x KT
@@ -20,6 +21,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include "ops.h"
 #include "vec.h"
 #include <algorithm>
 #include <cmath>
@@ -51,11 +53,12 @@ inline void with_tiles(int n, F&& f) {
 }
 
 // C = D / 16; R rows per register tile (R x D / KT accumulators fit in the vector registers); NT
-// tiles of KT keys per block (R x NT score accumulators, at most 16). cap: the scores' soft cap, 0: none.
+// tiles of KT keys per block (R x NT score accumulators, at most 16). cap: the scores' soft cap, 0: none;
+// sinks: (H,) sink logits, nullptr: none.
 template <typename T, int C, int R, int NT>
 void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* q_starts,
                   const int64_t* q_lens, const int64_t* ctx, float* out, int64_t B, int64_t H, int64_t Hkv,
-                  int64_t nb, int64_t bs, float scale, int64_t window, float cap) {
+                  int64_t nb, int64_t bs, float scale, int64_t window, float cap, const float* sinks) {
   constexpr int D = 16 * C, CV = C * VP, KB = NT * KT;   // CV: vectors per row; KB: keys per block
   static_assert(R * NT <= 16 && D * KB * 4 <= kKtBytes, "block too big");
   const int64_t G = H / Hkv, row = Hkv * D;   // row: elements per cache slot
@@ -181,10 +184,16 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
             for (int c = 0; c < CV; ++c) acc[i][c].store(orow + i * D + kVec * c);
         }
       }
-      // out = O / l (every real row saw at least its own key)
+      // out = O / l (every real row saw at least its own key); with a sink, both rescaled to the
+      // larger of m and the sink, so that neither exponential overflows
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t qi = it.q0 + r / G, h = it.kvh * G + r % G;
-        const fVec inv(1.f / l[r]);
+        float inv_l = 1.f / l[r];
+        if (sinks) {
+          const float mm = std::max(m[r], sinks[h]), a = std::exp(m[r] - mm);
+          inv_l = a / (l[r] * a + std::exp(sinks[h] - mm));
+        }
+        const fVec inv(inv_l);
         float* o = out + ((q_starts[it.b] + qi) * H + h) * D;
         for (int c = 0; c < CV; ++c) (fVec::loadu(O.data() + r * D + kVec * c) * inv).store(o + kVec * c);
       }
@@ -195,11 +204,11 @@ void prefill_impl(const float* q, const T* kc, const T* vc, const int64_t* table
 template <typename T>
 void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& tables,
              const torch::Tensor& q_starts, const torch::Tensor& q_lens, const torch::Tensor& ctx, torch::Tensor& out,
-             int64_t bs, float scale, int64_t window, float cap) {
+             int64_t bs, float scale, int64_t window, float cap, const float* sinks) {
   const int64_t B = q_lens.size(0), H = q.size(1), D = q.size(2), Hkv = kc.size(1), nb = tables.size(1);
   auto args = std::make_tuple(q.data_ptr<float>(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables.data_ptr<int64_t>(),
                               q_starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
-                              out.data_ptr<float>(), B, H, Hkv, nb, bs, scale, window, cap);
+                              out.data_ptr<float>(), B, H, Hkv, nb, bs, scale, window, cap, sinks);
   switch (D / 16) {
 #if defined(CPU_CAPABILITY_AVX512)
     // NT: as many 16-key tiles as fit R x NT <= 16 scores and 16 KB of transposed keys, at most 4
@@ -230,11 +239,12 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tenso
 // q, out: (T, H, D) fp32, the step's flat batch; sequence b's queries are rows
 // q_starts[b] .. q_starts[b] + q_lens[b] and are its last q_lens[b] positions of ctx_lens[b] keys
 // (already written to the cache). k_cache, v_cache: (slots, Hkv, D) fp32|bf16; block_tables
-// (B, nb), q_starts, q_lens, ctx_lens: int64; softcap: the scores' cap, 0: none. Writes those rows
-// of out; other rows are untouched.
+// (B, nb), q_starts, q_lens, ctx_lens: int64; softcap: the scores' cap, 0: none; sinks: (H,) fp32
+// sink logits, none: no sinks. Writes those rows of out; other rows are untouched.
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                              torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens, torch::Tensor out,
-                             int64_t block_size, double scale, int64_t sliding_window, double softcap) {
+                             int64_t block_size, double scale, int64_t sliding_window, double softcap,
+                             std::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be (T, H, D) fp32");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(), "bad out");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -245,13 +255,14 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 96 || D == 128 || D == 256) && H % Hkv == 0 &&
               k_cache.size(2) == D, "unsupported head shape");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
+  const float* sink = pdserve::sink_logits(sinks, H);
   if (q_lens.size(0) == 0) return;
   if (k_cache.scalar_type() == at::kFloat) {
     prefill<float>(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, out, block_size,
-                   static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
+                   static_cast<float>(scale), sliding_window, static_cast<float>(softcap), sink);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     prefill<at::BFloat16>(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, out, block_size,
-                          static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
+                          static_cast<float>(scale), sliding_window, static_cast<float>(softcap), sink);
   } else {
     TORCH_CHECK(false, "cache dtype must be float32 or bfloat16");
   }
