@@ -26,13 +26,13 @@ import time
 from datetime import datetime
 
 from benchmarks import peers
+from benchmarks.report_md import replace_block
 from benchmarks.compare import bench_command, busy_cores, loadavg, machine_info, summary_metrics
 from benchmarks.workloads import WARMUP, WORKLOADS
 from pdserve.bench import servers
 
 SYSTEMS = ("pdserve", "vllm", "llama-server")
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
-BEGIN, END = "<!-- families:begin -->", "<!-- families:end -->"
 SECTION = "### The 2026 families at their real shapes against the peers (issue 40)"
 
 
@@ -175,15 +175,7 @@ def table(recs: list[dict]) -> str:
 
 
 def write_doc(path: str, text: str) -> None:
-    with open(path, encoding="utf-8") as f:
-        doc = f.read()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc and END in doc:
-        doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + f"\n\n{SECTION}\n\n" + block + "\n"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(doc)
+    replace_block(path, "families", SECTION, text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ import time
 from datetime import datetime
 
 from benchmarks import peers
+from benchmarks.report_md import replace_block
 from benchmarks.compare import bench_command, busy_cores, loadavg, machine_info, server_for, summary_metrics
 from benchmarks.workloads import WORKLOADS, warmup_for
 from pdserve.bench import servers
@@ -42,7 +43,6 @@ VARIANTS = {
     "engine-spin30k": ("engine", [], {"GOMP_SPINCOUNT": "30000"}),
     "vllm": ("vllm", [], {}),
 }
-BEGIN, END = "<!-- neighbour:begin -->", "<!-- neighbour:end -->"
 
 
 def say(msg: str) -> None:
@@ -151,15 +151,7 @@ def table(records: list[dict], variants: list[str], neighbours: list[int]) -> st
 
 
 def write_doc(path: str, text: str) -> None:
-    with open(path, encoding="utf-8") as f:
-        doc = f.read()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc and END in doc:
-        doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + "\n\n## Busy neighbours\n\n" + block + "\n"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(doc)
+    replace_block(path, "neighbour", "## Busy neighbours", text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,3 +165,17 @@ def write_doc(path: str, summary: dict) -> None:
     os.makedirs(doc_dir, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def replace_block(path: str, name: str, heading: str, text: str) -> None:
+    """Put `text` between the doc's <!-- name:begin/end --> markers, or append it under `heading`."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    block = f"{begin}\n{text}\n{end}"
+    if begin in doc and end in doc:
+        doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
+    else:
+        doc = doc.rstrip("\n") + f"\n\n{heading}\n\n" + block + "\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(doc)
