@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import datetime
 
 from benchmarks import peers
