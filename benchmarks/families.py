@@ -26,7 +26,8 @@ from datetime import datetime
 
 from benchmarks import peers
 from benchmarks.report_md import replace_block
-from benchmarks.compare import bench_command, busy_cores, loadavg, machine_info, summary_metrics
+from benchmarks.compare import busy_cores, loadavg, machine_info
+from benchmarks.neighbour import run_bench
 from benchmarks.workloads import WARMUP, WORKLOADS
 from pdserve.bench import servers
 
@@ -56,21 +57,6 @@ def make_server(system: str, model: str, dtype: str, peers_dir: str, log_path: s
                                      ctx=32 * 1024, threads=os.cpu_count() or 2)
     # -nr: llama.cpp's weight repacking crashes at start on AMX CPUs (BENCHMARKS.md, issue 45)
     return servers.Server(system, cmd + ["-nr"], port, log_path)
-
-
-def bench(server: servers.Server, name: str, wl, seed: int, out: str, timeout: float) -> dict:
-    if os.path.exists(out):
-        os.remove(out)
-    try:
-        subprocess.run(bench_command(server, name, wl, seed, out), stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"status": f"over {timeout:.0f} s"}
-    if not os.path.exists(out):
-        return {"status": "bench failed"}
-    with open(out, encoding="utf-8") as f:
-        res = json.load(f)
-    return {"status": "ok" if not res.get("failed") else f"{res['failed']} failed", "metrics": summary_metrics(res)}
 
 
 def read_line(model: str, dtype: str, out: str, rounds: int, timeout: float) -> dict:
@@ -111,10 +97,10 @@ def run_one(model: str, dtype: str, system: str, args, seed: int) -> dict:
     rec.update(status="ok", ready_s=round(server.ready_s, 1), server_cmd=server.cmd)
     say(f"{name} {dtype} {system}: ready after {server.ready_s:.1f} s")
     try:
-        bench(server, name, WARMUP, seed, os.path.join(args.out_dir, "warmup.json"), args.timeout)
+        run_bench(server, name, WARMUP, seed, os.path.join(args.out_dir, "warmup.json"), args.timeout)
         for i, wl in enumerate(w for w in WORKLOADS["0.5b"] if w.name in ("c32", "c1")):
             out = os.path.join(args.out_dir, f"{name}-{dtype}-{system}-{wl.name}.json")
-            rec[wl.name] = bench(server, name, wl, seed + 1 + i, out, args.timeout)   # fresh prompts each
+            rec[wl.name] = run_bench(server, name, wl, seed + 1 + i, out, args.timeout)   # fresh prompts each
             m = rec[wl.name].get("metrics", {})
             say(f"{name} {dtype} {system} {wl.name}: {rec[wl.name]['status']}"
                 + (f", {m['output_throughput']:.1f} tok/s, TPOT {m['mean_tpot_ms']:.1f} ms" if m else ""))
