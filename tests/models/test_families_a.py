@@ -12,11 +12,12 @@ import pytest
 import torch
 import transformers
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
 from pdserve.models import ARCHITECTURES
-from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_last_position_logits_match,
+from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_greedy_batch_equals_transformers,
+                           assert_last_position_logits_match,
                            assert_outputs_survive_cache_preemption_and_speculation, chunked_logits, corpus_prompts,
                            hf_greedy, hf_logits)
 
@@ -60,13 +61,8 @@ def reference(path: str, prompt: tuple[int, ...]) -> list[int]:
 
 
 def test_greedy_batch_equals_transformers(llm, model_path):
-    prompts = corpus_prompts(llm.tokenizer)
     assert max(PROMPT_LENS) > 16 * 12   # far beyond the windows
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == reference(model_path, tuple(prompt)), f"prompt of {len(prompt)} tokens"
-    assert max(o.metrics.num_prefill_steps for o in outs) > 1   # the 200-token prompt was chunked
-    llm.engine.block_manager.check_all_free()
+    assert_greedy_batch_equals_transformers(llm, model_path, reference, NEW_TOKENS)
 
 
 def test_last_position_logits_match(llm, model_path):

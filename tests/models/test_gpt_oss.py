@@ -10,11 +10,12 @@ import pytest
 import torch
 import transformers
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 from pdserve.layers.attention import PagedAttention
 from pdserve.layers.moe import FusedMoE
-from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_last_position_logits_match,
-                           assert_outputs_survive_cache_preemption_and_speculation, corpus_prompts, hf_greedy, hf_model)
+from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_greedy_batch_equals_transformers,
+                           assert_last_position_logits_match,
+                           assert_outputs_survive_cache_preemption_and_speculation, hf_greedy, hf_model)
 
 NEW_TOKENS = 12
 MOE_DECODE_ATOL = 5e-4   # as the other MoE families (tests/models/test_moe.py)
@@ -74,12 +75,7 @@ def test_experts_load_as_transformers_holds_them(model_path):
 
 
 def test_greedy_batch_equals_transformers(llm, model_path):
-    prompts = corpus_prompts(llm.tokenizer)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == reference(model_path, tuple(prompt)), f"prompt of {len(prompt)} tokens"
-    assert max(o.metrics.num_prefill_steps for o in outs) > 1   # the 200-token prompt was chunked
-    llm.engine.block_manager.check_all_free()
+    assert_greedy_batch_equals_transformers(llm, model_path, reference, NEW_TOKENS)
 
 
 def test_last_position_logits_match(llm, model_path):
