@@ -69,7 +69,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str,
         logging.getLogger("pdserve").info("%s: %s served as its text model %s (the vision tower is not loaded; "
                                           "image inputs are refused)", cfg.path, cfg.text_of, cfg.architecture)
     if tensors is None:
-        tensors = gguf_tensors(cfg) if cfg.gguf_file else safetensors_tensors(cfg.path, cfg.text_of is not None)
+        tensors = gguf_tensors(cfg) if cfg.gguf_file else safetensors_tensors(cfg.path, served_name(cfg, model))
     if cfg.quantization is not None:   # AWQ / GPTQ / compressed-tensors parts -> one weight per linear
         tensors = quantized_tensors(cfg, tensors)
     fill(model, cfg, tensors)
@@ -83,18 +83,29 @@ def gguf_tensors(cfg: ModelConfig) -> Iterator[tuple[str, str, Tensorish]]:
     return tensors(open_gguf(cfg.gguf_file), cfg)
 
 
-def safetensors_tensors(path: str, text_part: bool = False) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file, name, tensor) for every tensor of the checkpoint's safetensors files; text_part: a
-    vision-language checkpoint's language model only, by its text model's names, the vision tower's
-    tensors never read (models/vlm_text.py)."""
+def served_name(cfg: ModelConfig, model: torch.nn.Module):
+    """name in the checkpoint -> the name the model loads it by, or None for a tensor it does not use
+    (a vision-language checkpoint's vision tower, DeepSeek's multi-token-prediction layers), so that
+    such tensors are never read."""
+    skips = getattr(model, "skips_tensor", lambda name: False)
+
+    def served(name: str) -> str | None:
+        name = text_weight_name(name) if cfg.text_of is not None else name
+        return None if name is None or skips(name) else name
+    return served
+
+
+def safetensors_tensors(path: str, served=None) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, name, tensor) for every tensor of the checkpoint's safetensors files; served(name): the
+    name to give a tensor, or None to skip it without reading it (served_name)."""
     for file in weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             names = list(f.keys())
             for name in tqdm(names, desc=f"loading {os.path.basename(file)}", unit="tensor", leave=False,
                              disable=len(names) < 50 or not show_progress()):
-                served = text_weight_name(name) if text_part else name
-                if served is not None:
-                    yield file, served, f.get_tensor(name)
+                as_name = served(name) if served is not None else name
+                if as_name is not None:
+                    yield file, as_name, f.get_tensor(name)
 
 
 def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, str, Tensorish]]) -> None:
@@ -118,7 +129,8 @@ def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, 
     for name, (target, *_) in sliced.items():
         needed.pop((target, None), None)
         needed[(target, name)] = name
-    skips = getattr(model, "skips_tensor", lambda name: False)   # tensors the family does not use (DeepSeek's MTP)
+    # tensors the family does not use (DeepSeek's MTP), from sources that did not skip them unread (served_name)
+    skips = getattr(model, "skips_tensor", lambda name: False)
     loaded, first_file = set(), None
     with torch.no_grad():
         for file, name, tensor in tensors:
