@@ -73,6 +73,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "bf16x2":
             y = cpu_ops().packed_linear_bf16_pairs(x.reshape(-1, self.in_features).bfloat16().contiguous(), self.packed)
+        elif self.fmt == "int8":
+            y = self._int8_codes(x.reshape(-1, self.in_features).float().contiguous())
         else:
             y = cpu_ops().packed_linear(x.reshape(-1, self.in_features).float().contiguous(), self.packed, self.scale)
         if y.shape[1] != self.out_features:
@@ -90,8 +92,18 @@ class PackedLinear(nn.Module):
         if self.use_screen:
             return cpu_ops().packed_linear_argmax_screened(x.contiguous(), self.packed, self.screen, self.col_norm,
                                                            self.col_norm_max, self.out_features, _NO_COUNTS)
+        if self.fmt == "int8" and x.shape[0] > 1:
+            return self.forward(x).argmax(dim=-1)
         bias = torch.empty(0) if self.bias is None else self.bias.detach().float()
         return cpu_ops().packed_linear_argmax(x.contiguous(), self.packed, self.scale, bias, self.out_features)
+
+    def _int8_codes(self, x: torch.Tensor) -> torch.Tensor:
+        """int8 weights on the group-code kernel (quant_linear_cpu.cpp) as 8-bit codes in one group per
+        channel: the same bytes and layout, the scale (Npad,) already (Npad/16, 1, 16). From 2 rows it
+        loads or dequantizes each code once for all rows where the dense int8 tile widened them per
+        row tile: a 151936 x 896 lm_head at 32 rows took 24 ms instead of 63 (docs/PERFORMANCE.md);
+        that gain outweighs the fused argmax's (logits not written), so argmax of 2+ rows uses this."""
+        return cpu_ops().quant_linear(x, self.packed, self.scale.view(-1, 1, PANEL), torch.empty(0))
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows W[ids] (K each, fp32) read back from the packed layout: the tied input embedding."""
@@ -118,8 +130,8 @@ def pack_model(model: nn.Module, fmt: str, embed_name: str | None) -> nn.Module:
     a QuantLinear on its own codes, whatever fmt says (the other linears of such a checkpoint keep
     the model's dtype). fmt "int4": the layers' linears as 4-bit codes made at load, groups of 32;
     "int8": 8-bit codes, one scale per output channel; both on the group kernel (quant_linear.py),
-    the lm_head a PackedLinear int8 (its fused argmax; llama.cpp's Q4_K_M keeps its output matrix at
-    6 bits too). Else a PackedLinear in fmt (the lm_head with its argmax screen, where it can have
+    the lm_head a PackedLinear int8 (its fused argmax for one row, the group kernel from two;
+    llama.cpp's Q4_K_M keeps its output matrix at 6 bits too). Else a PackedLinear in fmt (the lm_head with its argmax screen, where it can have
     one). A tied embedding `embed_name` then reads the packed lm_head. Frees each original weight as
     it goes, so peak memory grows by one matrix only. The packed weights share one arena: all on
     huge pages, not only each one's aligned middle (hugepages.py)."""
