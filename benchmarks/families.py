@@ -13,6 +13,9 @@ them:
 
     python -m benchmarks.families --model /work/models/qwen3-hub --dtype bfloat16 --systems pdserve,vllm
     python -m benchmarks.families --doc docs/BENCHMARKS.md        # the table from the records so far
+
+The MoE checkpoints (issue 41) keep their records in an --out-dir of their own and their table in
+`--block moe`.
 """
 from __future__ import annotations
 
@@ -33,7 +36,9 @@ from pdserve.bench import servers
 
 SYSTEMS = ("pdserve", "vllm", "llama-server")
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
-SECTION = "### The 2026 families at their real shapes against the peers (issue 40)"
+# --doc's block in docs/BENCHMARKS.md and the heading it goes under when the block is new
+SECTIONS = {"families": "### The 2026 families at their real shapes against the peers (issue 40)",
+            "moe": "### Mixture of experts at real shapes against the peers (issue 41)"}
 
 
 def say(msg: str) -> None:
@@ -59,9 +64,10 @@ def make_server(system: str, model: str, dtype: str, peers_dir: str, log_path: s
     return servers.Server(system, cmd + ["-nr"], port, log_path)
 
 
-def read_line(model: str, dtype: str, out: str, rounds: int, timeout: float) -> dict:
-    """`pdserve roofline`'s batch-1 decode step against the time to read its weights (median ratio)."""
-    cmd = [sys.executable, "-m", "pdserve", "roofline", "--model", model, "--dtype", dtype, "--prefill-lens", "128",
+def read_line(model: str, model_args: list[str], out: str, rounds: int, timeout: float) -> dict:
+    """`pdserve roofline`'s batch-1 decode step against the time to read its weights (median ratio);
+    `model_args`: how the weights are served (e.g. ["--dtype", "bfloat16"] or ["--quantization", "int4"])."""
+    cmd = [sys.executable, "-m", "pdserve", "roofline", "--model", model, *model_args, "--prefill-lens", "128",
            "--decode-batches", "1", "--decode-contexts", "128", "--read-rounds", str(rounds), "--output", out]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -107,7 +113,7 @@ def run_one(model: str, dtype: str, system: str, args, seed: int) -> dict:
     finally:
         server.stop()
     if system == "pdserve" and args.read_rounds:
-        rec["read_line"] = read_line(model, dtype, os.path.join(args.out_dir, f"{name}-{dtype}-roofline.json"),
+        rec["read_line"] = read_line(model, ["--dtype", dtype], os.path.join(args.out_dir, f"{name}-{dtype}-roofline.json"),
                                      args.read_rounds, args.timeout)
         say(f"{name} {dtype} batch-1 decode against its weight read: {rec['read_line']}")
     rec["loadavg_after"] = loadavg()
@@ -159,8 +165,8 @@ def table(recs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_doc(path: str, text: str) -> None:
-    replace_block(path, "families", SECTION, text)
+def write_doc(path: str, text: str, block: str = "families") -> None:
+    replace_block(path, block, SECTIONS[block], text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-dir", default=peers.DEFAULT_PEERS_DIR)
     p.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "pdserve-families"))
     p.add_argument("--doc", default=None, help="write the table of every record in --out-dir into this file")
+    p.add_argument("--block", choices=SECTIONS, default="families", help="--doc's block (moe: issue 41's MoE checkpoints)")
     p.add_argument("--seed", type=int, default=9100)
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -199,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             + table(recs))
     print(text)
     if args.doc:
-        write_doc(args.doc, text)
+        write_doc(args.doc, text, args.block)
     return 0
 
 

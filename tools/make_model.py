@@ -158,6 +158,17 @@ HUB_SHAPES = {
                    query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0,
                    rope_local_base_freq=10000.0, final_logit_softcapping=None, attn_logit_softcapping=None,
                    tie_word_embeddings=True),
+    # Qwen3-30B-A3B: 48 layers of 128 experts (768 wide, top 8); fewer with --set num_hidden_layers=N
+    "qwen3_moe": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                      head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                      num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                      tie_word_embeddings=False, use_sliding_window=False, max_window_layers=48),
+    # gpt-oss-20b: 24 layers alternating windowed (128) and full, 32 experts (2880 wide, top 4)
+    "gpt_oss": dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                    head_dim=64, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                    vocab_size=201088, max_position_embeddings=131072, sliding_window=128, swiglu_limit=7.0,
+                    tie_word_embeddings=False),
 }
 
 
@@ -452,9 +463,10 @@ def init_weights(model, seed: int) -> None:
 
 
 def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0, force: bool = False,
-               mxfp4: bool = False, **config_overrides) -> str:
+               mxfp4: bool = False, dtype: str = "float32", **config_overrides) -> str:
     """Write a random-init checkpoint of `arch` at `size` to out_dir; returns out_dir. mxfp4 (gpt_oss
-    only): its experts written as MXFP4 blocks and scales, as the Hub ships gpt-oss."""
+    only): its experts written as MXFP4 blocks and scales, as the Hub ships gpt-oss. dtype: the
+    weights' dtype (bfloat16 builds the larger sizes at half the memory, as the Hub ships them)."""
     import torch
     import transformers
 
@@ -464,10 +476,13 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
         raise CheckpointError(f"{out_dir}: --mxfp4 is for --arch gpt_oss (its experts), not {arch}")
     if size not in SIZES:
         raise CheckpointError(f"{out_dir}: unknown --size {size!r} (choose from {', '.join(SIZES)})")
+    if dtype not in ("float32", "bfloat16"):
+        raise CheckpointError(f"{out_dir}: unknown --dtype {dtype!r} (choose from float32, bfloat16)")
     if size == "hub":
         if arch not in HUB_SHAPES:
             raise CheckpointError(f"{out_dir}: no --size hub shape for {arch!r} (have: {', '.join(HUB_SHAPES)})")
         config_overrides = {**HUB_SHAPES[arch], **config_overrides}
+    config_overrides = {**config_overrides, "dtype": dtype}
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir}: exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
@@ -488,7 +503,7 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
     try:
         config = build_config(arch, size, vocab, ids, config_overrides)
         if size == "tiny":
-            model = model_cls(config)
+            model = model_cls(config).to(getattr(torch, dtype))
             init_weights(model, seed)
             with torch.no_grad():  # a bad override (e.g. heads not dividing) fails here, not in a later test
                 if not torch.isfinite(model(torch.tensor([[0, 1, 2]])).logits).all():
@@ -496,7 +511,7 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
         else:
             # Skip transformers' own init of 0.5B parameters; init_weights fills them all anyway.
             with torch.device("meta"):
-                model = model_cls(config)
+                model = model_cls(config).to(getattr(torch, dtype))
             model = model.to_empty(device="cpu")
             model.tie_weights()  # to_empty gives tied weights separate storage
             init_weights(model, seed)
@@ -562,13 +577,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty out_dir")
     parser.add_argument("--mxfp4", action="store_true", help="gpt_oss: write the experts in MXFP4, as the Hub ships them")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype")
     parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. --set tie_word_embeddings=true (repeatable)")
 
 
 def run(args) -> int:
     out = make_model(args.out_dir, args.arch, args.size, args.seed, force=args.force, mxfp4=args.mxfp4,
-                     **dict(args.overrides))
+                     dtype=args.dtype, **dict(args.overrides))
     print(f"wrote {args.arch} {args.size} checkpoint to {out}")
     return 0
 

@@ -28,4 +28,7 @@ def test_doc_block_is_replaced_not_appended(tmp_path):
     families.write_doc(str(doc), "first")
     families.write_doc(str(doc), "second")
     text = doc.read_text()
-    assert text.count(families.SECTION) == 1 and "second" in text and "first" not in text
+    assert text.count(families.SECTIONS["families"]) == 1 and "second" in text and "first" not in text
+    families.write_doc(str(doc), "moe table", "moe")   # issue 41's block: its own heading, the families' kept
+    text = doc.read_text()
+    assert text.count(families.SECTIONS["moe"]) == 1 and "moe table" in text and "second" in text

@@ -198,6 +198,19 @@ def test_cli_writes_checkpoint(tmp_path, capsys):
         make_model_main([str(out), "--arch", "gpt9"])
 
 
+def test_bfloat16_checkpoint(tmp_path):
+    # --dtype bfloat16 writes the weights as the Hub ships the large families (half the memory to build)
+    path = make_model(str(tmp_path / "bf16"), "qwen3_moe", dtype="bfloat16")
+    assert config_of(path)["dtype"] == "bfloat16"
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(n).dtype for n in f.keys()} == {torch.bfloat16}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    assert model.dtype == torch.bfloat16
+    assert torch.isfinite(model(torch.tensor([[3, 4, 5]])).logits).all()
+    with pytest.raises(CheckpointError, match="unknown --dtype"):
+        make_model(str(tmp_path / "x"), "llama", dtype="float16")
+
+
 def test_half_billion_shape_without_building_it():
     # The real 0.5b run writes ~2 GB; here only its config and parameter count are checked.
     cfg = build_config("qwen2", "0.5b", 151936, {"bos": None, "eos": 0, "pad": 0}, {})
@@ -208,15 +221,18 @@ def test_half_billion_shape_without_building_it():
     assert 490e6 < sum(p.numel() for p in model.parameters()) < 500e6
 
 
-@pytest.mark.parametrize("arch, total, non_embedding", [("qwen3", 596e6, 440e6), ("gemma3", 1000e6, 698e6)])
-def test_hub_shapes_without_building_them(arch, total, non_embedding):
-    # `--size hub`: Qwen3-0.6B's and Gemma-3-1B's published shapes (0.6B with 0.44B non-embedding; 1B)
+@pytest.mark.parametrize("arch, vocab, total, non_embedding", [
+    ("qwen3", 151936, 596e6, 440e6), ("gemma3", 151936, 1000e6, 698e6),
+    ("qwen3_moe", 151936, 30.53e9, 29.92e9), ("gpt_oss", 201088, 20.91e9, 19.75e9)])
+def test_hub_shapes_without_building_them(arch, vocab, total, non_embedding):
+    # `--size hub`: the published shapes (Qwen3-0.6B: 0.6B with 0.44B non-embedding; Gemma-3-1B; Qwen3-30B-A3B;
+    # gpt-oss-20b); non-embedding counts neither the embedding nor an untied lm_head
     from tools.make_model import HUB_SHAPES, MODEL_CLASSES
-    cfg = build_config(arch, "hub", 151936, {"bos": 2, "eos": 1, "pad": 0}, HUB_SHAPES[arch])
+    cfg = build_config(arch, "hub", vocab, {"bos": 2, "eos": 1, "pad": 0}, HUB_SHAPES[arch])
     with torch.device("meta"):
         model = getattr(transformers, MODEL_CLASSES[arch])(cfg)
     n = sum(p.numel() for p in model.parameters())
-    emb = model.get_input_embeddings().weight.numel()
+    emb = model.get_input_embeddings().weight.numel() * (1 if cfg.tie_word_embeddings else 2)
     assert abs(n - total) / total < 0.01 and abs(n - emb - non_embedding) / non_embedding < 0.01
     with pytest.raises(CheckpointError, match="no --size hub shape"):
         make_model("/nonexistent-dir-for-test", "opt", size="hub")
