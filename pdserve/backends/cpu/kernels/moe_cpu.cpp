@@ -49,16 +49,26 @@ inline void dots(const W* w, const float* const* x, int64_t count, int64_t len, 
   }
 }
 
-// The weight rows of a stack of experts, (E, rows, len), each with dots(e, r, x, count, out, buf):
-// row r of expert e times the count token rows x, the row read (and decoded into buf, room for one
-// row in fp32, where it must be) once for all of them. Stored as they are (fp32, bf16) ...
+// The weight rows of a stack of experts, (E, rows, len): row(e, r, buf) is row r of expert e, read
+// once and then multiplied by any number of token rows, kTokens at a time (Row::dots); buf has room
+// for the row in fp32 where it is decoded first. Stored as they are (fp32, bf16) ...
 template <typename W>
 struct DenseRows {
+  struct Row {
+    const W* w;
+    int64_t len;
+    void dots(const float* const* x, int64_t count, float* out) const { ::dots(w, x, count, len, out); }
+  };
   const W* w;
   int64_t rows, len;
-  void dots(int64_t e, int64_t r, const float* const* x, int64_t count, float* out, float*) const {
-    ::dots(w + (e * rows + r) * len, x, count, len, out);
-  }
+  Row row(int64_t e, int64_t r, float*) const { return {w + (e * rows + r) * len, len}; }
+};
+
+// A row decoded into fp32 (int8 groups, MXFP4)
+struct DecodedRow {
+  const float* w;
+  int64_t len;
+  void dots(const float* const* x, int64_t count, float* out) const { ::dots(w, x, count, len, out); }
 };
 
 // ... int8 codes q (E, rows, len) with fp32 scales (E, rows, groups), w = q * the scale of its group
@@ -66,17 +76,24 @@ struct DenseRows {
 // channel, --quantization int8): the codes' dots, widened in registers, times the scale; groups: the
 // row dequantized into buf first, the values the torch path multiplies ...
 struct Int8Rows {
+  struct Row {
+    const int8_t* q;
+    const float* decoded;   // groups: the row in fp32; per channel: nullptr
+    float scale;
+    int64_t len;
+    void dots(const float* const* x, int64_t count, float* out) const {
+      if (decoded) return ::dots(decoded, x, count, len, out);
+      ::dots(q, x, count, len, out);
+      for (int64_t j = 0; j < count; ++j) out[j] *= scale;
+    }
+  };
   const int8_t* q;
   const float* scales;
   int64_t rows, len, groups;
-  void dots(int64_t e, int64_t r, const float* const* x, int64_t count, float* out, float* buf) const {
+  Row row(int64_t e, int64_t r, float* buf) const {
     const int8_t* c = q + (e * rows + r) * len;
     const float* s = scales + (e * rows + r) * groups;
-    if (groups == 1) {
-      ::dots(c, x, count, len, out);
-      for (int64_t j = 0; j < count; ++j) out[j] *= s[0];
-      return;
-    }
+    if (groups == 1) return {c, nullptr, s[0], len};
     const int64_t size = len / groups;
     for (int64_t g = 0; g < groups; ++g) {
       const fVec sv(s[g]);
@@ -84,7 +101,7 @@ struct Int8Rows {
       for (; i + kVec <= (g + 1) * size; i += kVec) (pdserve::load<int8_t>(c + i) * sv).store(buf + i);
       for (; i < (g + 1) * size; ++i) buf[i] = static_cast<float>(c[i]) * s[g];
     }
-    ::dots(buf, x, count, len, out);
+    return {c, buf, 1.f, len};
   }
 };
 
@@ -115,10 +132,11 @@ const float* e8m0_scales() {
 }
 
 struct Mxfp4Rows {
+  using Row = DecodedRow;
   const uint8_t* blocks;
   const uint8_t* scales;
   int64_t rows, len;
-  void dots(int64_t e, int64_t r, const float* const* x, int64_t count, float* out, float* buf) const {
+  Row row(int64_t e, int64_t r, float* buf) const {
     static_assert(kFp4Block / 2 % kVec == 0, "a block's bytes are whole vectors of codes");
     const float* pow2 = e8m0_scales();
     const int64_t nb = len / kFp4Block, base = (e * rows + r) * nb;
@@ -134,7 +152,7 @@ struct Mxfp4Rows {
         hi.store(o + 2 * i + kVec);
       }
     }
-    ::dots(buf, x, count, len, out);
+    return {buf, len};
   }
 };
 
@@ -175,21 +193,28 @@ void experts(const float* x, const float* weights, const int64_t* ids, const R& 
   }
   std::vector<float> act(P * I), ys(P * H);   // by sorted row: silu(gate) * up, then the expert's output
 
-  // gate and up rows c of expert e, each read once for all its tokens: act = silu(gate x) * up x
+  // gate and up rows c of expert e, each read once for all its tokens: act = silu(gate x) * up x,
+  // kTokens tokens at a time through both rows (their x rows stay in L1 between the two)
   const auto up_tasks = tasks_of(counts, I);
   at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t a, int64_t b) {
-    std::vector<float> buf(H), g, u;   // buf: a decoded row
+    std::vector<float> gbuf(H), ubuf(H);   // decoded rows
     std::vector<const float*> xs;
     for (int64_t t = a; t < b; ++t) {
       const auto [e, c0] = up_tasks[t];
       const int64_t n = counts[e];
-      xs.resize(n), g.resize(n), u.resize(n);
+      xs.resize(n);
       for (int64_t j = 0; j < n; ++j) xs[j] = x + (pair[start[e] + j] / k) * H;
       for (int64_t c = c0; c < std::min(c0 + kBlock, I); ++c) {
-        w13.dots(e, c, xs.data(), n, g.data(), buf.data());
-        w13.dots(e, I + c, xs.data(), n, u.data(), buf.data());
+        const auto wg = w13.row(e, c, gbuf.data());
+        const auto wu = w13.row(e, I + c, ubuf.data());
         const float bg = b13 ? b13[e * 2 * I + c] : 0.f, bu = b13 ? b13[e * 2 * I + I + c] : 0.f;
-        for (int64_t j = 0; j < n; ++j) act[(start[e] + j) * I + c] = swiglu(g[j] + bg, u[j] + bu, alpha, limit);
+        for (int64_t j0 = 0; j0 < n; j0 += kTokens) {
+          const int64_t m = std::min<int64_t>(kTokens, n - j0);
+          float g[kTokens], u[kTokens];
+          wg.dots(xs.data() + j0, m, g);
+          wu.dots(xs.data() + j0, m, u);
+          for (int64_t j = 0; j < m; ++j) act[(start[e] + j0 + j) * I + c] = swiglu(g[j] + bg, u[j] + bu, alpha, limit);
+        }
       }
     }
   });
@@ -204,7 +229,7 @@ void experts(const float* x, const float* weights, const int64_t* ids, const R& 
       as.resize(n), y.resize(n);
       for (int64_t j = 0; j < n; ++j) as[j] = act.data() + (start[e] + j) * I;
       for (int64_t c = c0; c < std::min(c0 + kBlock, H); ++c) {
-        w2.dots(e, c, as.data(), n, y.data(), buf.data());
+        w2.row(e, c, buf.data()).dots(as.data(), n, y.data());
         const float bd = b2 ? b2[e * H + c] : 0.f;
         for (int64_t j = 0; j < n; ++j) ys[(start[e] + j) * H + c] = b2 ? y[j] + bd : y[j];
       }
