@@ -27,37 +27,32 @@ namespace {
 constexpr int64_t kBlock = 16;   // output channels per task
 constexpr int kTokens = 4;       // tokens per weight-row load
 
-// out[j] = dot(w, x[j]) for count rows x[j] of length len: each of w's vectors loaded once for
-// kTokens rows at a time, in registers
+// out[j] = dot(w, x[j]) for n (<= kTokens) rows x[j] of length len: w's vectors loaded once for all
 template <typename W>
-inline void dots(const W* w, const float* const* x, int64_t count, int64_t len, float* out) {
-  for (int64_t j0 = 0; j0 < count; j0 += kTokens) {
-    const int n = static_cast<int>(std::min<int64_t>(kTokens, count - j0));
-    const float* const* xs = x + j0;
-    fVec acc[kTokens];
-    for (int j = 0; j < kTokens; ++j) acc[j] = fVec(0.f);
-    int64_t i = 0;
-    for (; i + kVec <= len; i += kVec) {
-      const fVec wv = pdserve::load<W>(w + i);
-      for (int j = 0; j < n; ++j) acc[j] = at::vec::fmadd(wv, fVec::loadu(xs[j] + i), acc[j]);
-    }
-    for (int j = 0; j < n; ++j) {
-      float s = pdserve::reduce_add(acc[j]);
-      for (int64_t r = i; r < len; ++r) s += static_cast<float>(w[r]) * xs[j][r];
-      out[j0 + j] = s;
-    }
+inline void dots(const W* w, const float* const* x, int n, int64_t len, float* out) {
+  fVec acc[kTokens];
+  for (int j = 0; j < kTokens; ++j) acc[j] = fVec(0.f);
+  int64_t i = 0;
+  for (; i + kVec <= len; i += kVec) {
+    const fVec wv = pdserve::load<W>(w + i);
+    for (int j = 0; j < n; ++j) acc[j] = at::vec::fmadd(wv, fVec::loadu(x[j] + i), acc[j]);
+  }
+  for (int j = 0; j < n; ++j) {
+    float s = pdserve::reduce_add(acc[j]);
+    for (int64_t r = i; r < len; ++r) s += static_cast<float>(w[r]) * x[j][r];
+    out[j] = s;
   }
 }
 
 // The weight rows of a stack of experts, (E, rows, len): row(e, r, buf) is row r of expert e, read
-// once and then multiplied by any number of token rows, kTokens at a time (Row::dots); buf has room
-// for the row in fp32 where it is decoded first. Stored as they are (fp32, bf16) ...
+// once and then multiplied by up to kTokens token rows at a time (Row::dots) for all the expert's
+// tokens; buf has room for the row in fp32 where it is decoded first. Stored as they are (fp32, bf16) ...
 template <typename W>
 struct DenseRows {
   struct Row {
     const W* w;
     int64_t len;
-    void dots(const float* const* x, int64_t count, float* out) const { ::dots(w, x, count, len, out); }
+    void dots(const float* const* x, int n, float* out) const { ::dots(w, x, n, len, out); }
   };
   const W* w;
   int64_t rows, len;
@@ -68,7 +63,7 @@ struct DenseRows {
 struct DecodedRow {
   const float* w;
   int64_t len;
-  void dots(const float* const* x, int64_t count, float* out) const { ::dots(w, x, count, len, out); }
+  void dots(const float* const* x, int n, float* out) const { ::dots(w, x, n, len, out); }
 };
 
 // ... int8 codes q (E, rows, len) with fp32 scales (E, rows, groups), w = q * the scale of its group
@@ -81,10 +76,10 @@ struct Int8Rows {
     const float* decoded;   // groups: the row in fp32; per channel: nullptr
     float scale;
     int64_t len;
-    void dots(const float* const* x, int64_t count, float* out) const {
-      if (decoded) return ::dots(decoded, x, count, len, out);
-      ::dots(q, x, count, len, out);
-      for (int64_t j = 0; j < count; ++j) out[j] *= scale;
+    void dots(const float* const* x, int n, float* out) const {
+      if (decoded) return ::dots(decoded, x, n, len, out);
+      ::dots(q, x, n, len, out);
+      for (int j = 0; j < n; ++j) out[j] *= scale;
     }
   };
   const int8_t* q;
@@ -107,18 +102,30 @@ struct Int8Rows {
 
 // ... or MXFP4: blocks (E, rows, len / 32, 16) of two FP4 values a byte (low nibble first), scales
 // (E, rows, len / 32) the e8m0 exponents (2^(s - 127)); a row is decoded into buf, kVec codes at a
-// time (fp4_values), then multiplied as fp32
+// time (fp4_lookup), then multiplied as fp32
 constexpr int kFp4Block = 32;
+alignas(64) constexpr float kFp4[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                        -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
-// FP4 e2m1 codes (one per int32 lane, 0..15) -> their values, in registers: sign bit 3, then e
-// (2 bits) and m (1 bit): e >= 1 is 2^(e - 1) * (1 + m / 2), the fp32 with exponent 126 + e and m as
-// the top mantissa bit; e == 0 is m * 0.5 (0 or 0.5). The sign moves to bit 31 (code 8 is -0).
-inline fVec fp4_values(const iVec& code) {
+// FP4 e2m1 codes (one per int32 lane, 0..15) -> their values times the block's scale, given table:
+// kFp4's first kVec values times the scale (one product per block, the same roundings as value *
+// scale). AVX-512: the 16 values, one vpermps; AVX2: the 8 magnitudes (vpermps reads an index's low
+// 3 bits), the sign (bit 3) moved to bit 31. Elsewhere the portable form: sign bit 3, then e (2 bits)
+// and m (1 bit); e >= 1 is 2^(e - 1) * (1 + m / 2), the fp32 with exponent 126 + e and m as the
+// top mantissa bit; e == 0 is m * 0.5 (0 or 0.5); times the scale.
+inline fVec fp4_lookup(const iVec& code, const fVec& table, const fVec& scale) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_permutexvar_ps(code, table);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
+  return _mm256_or_ps(_mm256_permutevar8x32_ps(table, code), _mm256_castsi256_ps(sign));
+#else
   const iVec m = code & iVec(7);
   const iVec normal = (m << iVec(22)) + iVec(126 << 23);
   const iVec small = iVec(126 << 23) & (m == iVec(1));
   const iVec bits = iVec::blendv(normal, small, m < iVec(2)) | ((code & iVec(8)) << iVec(28));
-  return at::vec::cast<float>(bits);
+  return at::vec::cast<float>(bits) * scale;
+#endif
 }
 
 // 2^(s - 127) for each e8m0 scale byte (255: inf, as the torch path's ldexp gives)
@@ -140,14 +147,15 @@ struct Mxfp4Rows {
     static_assert(kFp4Block / 2 % kVec == 0, "a block's bytes are whole vectors of codes");
     const float* pow2 = e8m0_scales();
     const int64_t nb = len / kFp4Block, base = (e * rows + r) * nb;
+    const fVec values = fVec::loadu(kFp4);
     for (int64_t b = 0; b < nb; ++b) {
-      const fVec scale(pow2[scales[base + b]]);
+      const fVec scale(pow2[scales[base + b]]), table = values * scale;
       const uint8_t* q = blocks + (base + b) * (kFp4Block / 2);
       float* o = buf + b * kFp4Block;
       for (int i = 0; i < kFp4Block / 2; i += kVec) {   // kVec bytes: 2 kVec values, even ones low
         const iVec codes = at::vec::convert_to_int32<uint8_t>(q + i);
-        const auto [lo, hi] = at::vec::interleave2(fp4_values(codes & iVec(15)) * scale,
-                                                   fp4_values(codes >> iVec(4)) * scale);
+        const auto [lo, hi] = at::vec::interleave2(fp4_lookup(codes & iVec(15), table, scale),
+                                                   fp4_lookup(codes >> iVec(4), table, scale));
         lo.store(o + 2 * i);
         hi.store(o + 2 * i + kVec);
       }
@@ -209,11 +217,13 @@ void experts(const float* x, const float* weights, const int64_t* ids, const R& 
         const auto wu = w13.row(e, I + c, ubuf.data());
         const float bg = b13 ? b13[e * 2 * I + c] : 0.f, bu = b13 ? b13[e * 2 * I + I + c] : 0.f;
         for (int64_t j0 = 0; j0 < n; j0 += kTokens) {
-          const int64_t m = std::min<int64_t>(kTokens, n - j0);
+          const int m = static_cast<int>(std::min<int64_t>(kTokens, n - j0));
+          const float* xg[kTokens];
+          for (int j = 0; j < m; ++j) xg[j] = xs[j0 + j];
           float g[kTokens], u[kTokens];
-          wg.dots(xs.data() + j0, m, g);
-          wu.dots(xs.data() + j0, m, u);
-          for (int64_t j = 0; j < m; ++j) act[(start[e] + j0 + j) * I + c] = swiglu(g[j] + bg, u[j] + bu, alpha, limit);
+          wg.dots(xg, m, g);
+          wu.dots(xg, m, u);
+          for (int j = 0; j < m; ++j) act[(start[e] + j0 + j) * I + c] = swiglu(g[j] + bg, u[j] + bu, alpha, limit);
         }
       }
     }
@@ -221,17 +231,20 @@ void experts(const float* x, const float* weights, const int64_t* ids, const R& 
   // down rows c of expert e, each read once for all its tokens
   const auto down_tasks = tasks_of(counts, H);
   at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t a, int64_t b) {
-    std::vector<float> buf(I), y;
-    std::vector<const float*> as;
+    std::vector<float> buf(I);   // a decoded row
     for (int64_t t = a; t < b; ++t) {
       const auto [e, c0] = down_tasks[t];
-      const int64_t n = counts[e];
-      as.resize(n), y.resize(n);
-      for (int64_t j = 0; j < n; ++j) as[j] = act.data() + (start[e] + j) * I;
       for (int64_t c = c0; c < std::min(c0 + kBlock, H); ++c) {
-        w2.row(e, c, buf.data()).dots(as.data(), n, y.data());
+        const auto wd = w2.row(e, c, buf.data());
         const float bd = b2 ? b2[e * H + c] : 0.f;
-        for (int64_t j = 0; j < n; ++j) ys[(start[e] + j) * H + c] = b2 ? y[j] + bd : y[j];
+        for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kTokens) {
+          const int m = static_cast<int>(std::min<int64_t>(kTokens, start[e + 1] - r0));
+          const float* as[kTokens];
+          for (int j = 0; j < m; ++j) as[j] = act.data() + (r0 + j) * I;
+          float y[kTokens];
+          wd.dots(as, m, y);
+          for (int j = 0; j < m; ++j) ys[(r0 + j) * H + c] = b2 ? y[j] + bd : y[j];
+        }
       }
     }
   });
