@@ -6,11 +6,13 @@ import torch
 from torch import nn
 
 from pdserve.backends.cpu.kernels import cpu_ops
+from pdserve.backends.cpu.quant_linear import round_to_nearest
 from pdserve.layers import activation
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import PagedAttention, get_attention_metadata
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.moe import FusedMoE
+from pdserve.layers.quantized import GroupQuantized
 from pdserve.layers.rotary import Rope, RotaryEmbedding
 
 
@@ -93,13 +95,41 @@ class CpuPagedAttention(PagedAttention):
 
 class CpuFusedMoE(FusedMoE):
     """kernels/moe_cpu.cpp: the experts in one call, each selected expert's weights read once per
-    step (fp32, bf16 or MXFP4 experts, decoded in the kernel; biases and gpt-oss's clamped SwiGLU;
-    the activations fp32, the result cast to the model's dtype)."""
+    step (fp32, bf16, int8 codes (quantize_int8) or MXFP4 experts, decoded in the kernel; biases and
+    gpt-oss's clamped SwiGLU; the activations fp32, the result cast to the model's dtype)."""
+
+    int8 = False   # quantize_int8 has run: gate_up_proj_q/_scale and down_proj_q/_scale hold the experts
+
+    def quantize_int8(self, group_size: int | None = None) -> None:
+        """The stacked experts as int8 codes, round-to-nearest and symmetric (quant_linear.py's
+        round_to_nearest, the form of layers/quantized.py), a scale per `group_size` inputs (None:
+        per output channel, as --quantization int8 quantizes the linears); the dense weights freed.
+        One expert at a time, so that the fp32 copy is never more than one expert's."""
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name).detach()
+            E, N, K = w.shape
+            parts = [round_to_nearest(w[e], 8, group_size or K) for e in range(E)]
+            delattr(self, name)
+            # the codes (E, N, K) int8, the scales (E, N, K / group) fp32: the kernel's arguments
+            self.register_buffer(f"{name}_q", torch.stack([p.q for p in parts]))
+            self.register_buffer(f"{name}_scale", torch.stack([p.scale for p in parts]))
+            del parts, w
+        self.int8 = True
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.int8:
+            return super().expert(e, dtype)
+        return tuple(GroupQuantized(q[e], s[e], None, K // s.shape[-1], 8).dequantize().to(dtype)
+                     for q, s, K in ((self.gate_up_proj_q, self.gate_up_proj_scale, self.hidden_size),
+                                     (self.down_proj_q, self.down_proj_scale, self.intermediate_size)))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.mxfp4:
             w13, w2 = self.gate_up_proj_blocks, self.down_proj_blocks
             scales = dict(s13=self.gate_up_proj_scales.detach(), s2=self.down_proj_scales.detach())
+        elif self.int8:
+            w13, w2 = self.gate_up_proj_q, self.down_proj_q
+            scales = dict(s13=self.gate_up_proj_scale, s2=self.down_proj_scale)
         else:
             w13, w2, scales = self.gate_up_proj, self.down_proj, {}
             if w13.dtype not in (torch.float32, torch.bfloat16):
@@ -114,6 +144,18 @@ class CpuFusedMoE(FusedMoE):
         y = cpu_ops().fused_moe(x.float().contiguous(), weights.float().contiguous(), ids.long().contiguous(),
                                 w13.detach(), w2.detach(), swiglu_alpha=alpha, swiglu_limit=limit, **bias, **scales)
         return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", int8" if self.int8 else "")
+
+
+def quantize_experts(model: nn.Module) -> int:
+    """--quantization int8 on a mixture of experts: every dense expert stack (not MXFP4's, which keep
+    the checkpoint's own codes) as int8 codes per output channel; returns how many layers."""
+    moes = [m for m in model.modules() if isinstance(m, CpuFusedMoE) and not (m.mxfp4 or m.int8)]
+    for m in moes:
+        m.quantize_int8()
+    return len(moes)
 
 
 KERNEL_LAYERS = {SiluAndMul: CpuSiluAndMul, RMSNorm: CpuRMSNorm, RotaryEmbedding: CpuRotaryEmbedding,

@@ -1,6 +1,7 @@
 """The CPU fused-MoE kernel (kernels/moe_cpu.cpp) equals the torch reference, layers/moe.py's
-FusedMoE, on each kernel build: fp32 and bf16 experts, decode-sized and prefill-sized batches,
-experts chosen by no token, by one, by many, sizes that are no multiple of the vector width."""
+FusedMoE, on each kernel build: fp32, bf16, int8 (per channel and per group) and MXFP4 experts,
+decode-sized and prefill-sized batches, experts chosen by no token, by one, by many, sizes that are
+no multiple of the vector width."""
 import pytest
 import torch
 
@@ -73,10 +74,59 @@ def test_bad_arguments_are_refused():
     w13, w2 = moe.gate_up_proj.detach(), moe.down_proj.detach()
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_ops().fused_moe(x, weights, torch.full_like(ids, 4), w13, w2)
-    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+    with pytest.raises(RuntimeError, match="of one dtype"):
         cpu_ops().fused_moe(x, weights, ids, w13, w2.bfloat16())
     with pytest.raises(RuntimeError, match="w13 must be"):
         cpu_ops().fused_moe(x[:, :16].contiguous(), weights, ids, w13, w2)
+
+
+# ---------------------------------------------------------------- int8 experts (--quantization int8)
+
+def dequantized(moe: CpuFusedMoE) -> FusedMoE:
+    """The torch layer on the values the int8 codes stand for."""
+    ref = FusedMoE(moe.num_experts, moe.hidden_size, moe.intermediate_size)
+    pairs = [moe.expert(e, torch.float32) for e in range(moe.num_experts)]
+    with torch.no_grad():
+        ref.gate_up_proj.copy_(torch.stack([p[0] for p in pairs]))
+        ref.down_proj.copy_(torch.stack([p[1] for p in pairs]))
+    return ref
+
+
+@pytest.mark.parametrize("group", [None, 16], ids=["per-channel", "g16"])
+@pytest.mark.parametrize("T, E, k, H, I", [(1, 8, 2, 64, 32), (37, 16, 3, 80, 48), (200, 64, 8, 128, 96)])
+def test_int8_experts_equal_torch_on_their_values(group, T, E, k, H, I):
+    moe = experts(E, H, I, torch.float32)
+    dense = moe.gate_up_proj.detach().clone()
+    moe.__class__ = CpuFusedMoE
+    moe.quantize_int8(group)
+    assert moe.int8 and not hasattr(moe, "gate_up_proj") and moe.gate_up_proj_q.dtype == torch.int8
+    assert moe.gate_up_proj_scale.shape == (E, 2 * I, H // (group or H))
+    ref = dequantized(moe)
+    assert 0 < (ref.gate_up_proj - dense).abs().max() < 0.02   # the codes round, a little
+    x, weights, ids = routed(T, H, E, k)
+    torch.testing.assert_close(moe(x, weights, ids), ref(x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_experts_of_odd_sizes_per_channel():
+    moe = experts(4, 33, 17, torch.float32)
+    moe.__class__ = CpuFusedMoE
+    moe.quantize_int8()
+    x, weights, ids = routed(3, 33, 4, 4)
+    torch.testing.assert_close(moe(x, weights, ids), dequantized(moe)(x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_int8_scales_are_refused():
+    moe = experts(4, 32, 16, torch.float32)
+    moe.__class__ = CpuFusedMoE
+    moe.quantize_int8(16)
+    x, weights, ids = routed(3, 32, 4, 2)
+    q13, q2, s13, s2 = moe.gate_up_proj_q, moe.down_proj_q, moe.gate_up_proj_scale, moe.down_proj_scale
+    with pytest.raises(RuntimeError, match="int8 scales"):
+        cpu_ops().fused_moe(x, weights, ids, q13, q2, s13=s13[:, :, :1].repeat(1, 1, 3).contiguous(), s2=s2)
+    with pytest.raises(RuntimeError, match="int8 scales"):
+        cpu_ops().fused_moe(x, weights, ids, q13, q2, s13=s13.double(), s2=s2)
+    with pytest.raises(RuntimeError, match="both scales"):
+        cpu_ops().fused_moe(x, weights, ids, q13, q2, s13=s13)
 
 
 # ---------------------------------------------------------------- gpt-oss's experts: biases, clamped SwiGLU, MXFP4
@@ -91,6 +141,8 @@ def gpt_oss_experts(E: int, H: int, I: int, mxfp4: bool, seed: int = 2) -> Fused
         if mxfp4:
             for name, w in (("gate_up_proj", w13), ("down_proj", w2)):
                 blocks, scales = quantize(w)
+                # every FP4 code, -0 (8) included, in both nibbles: each decodes in the kernel
+                assert len((blocks & 15).unique()) == len((blocks >> 4).unique()) == 16
                 getattr(moe, f"{name}_blocks").copy_(blocks)
                 getattr(moe, f"{name}_scales").copy_(scales)
         else:

@@ -93,7 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu(x[:, :I], approximate='tanh') * x[:, I:] (activation_cpu.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("fused_moe", &fused_moe,
-        "an MoE layer's SwiGLU experts (fp32, bf16 or MXFP4; biases, gpt-oss's clamp), tokens grouped by expert "
+        "an MoE layer's SwiGLU experts (fp32, bf16, int8 or MXFP4; biases, gpt-oss's clamp), tokens grouped by expert "
         "(moe_cpu.cpp)", py::arg("x"), py::arg("weights"), py::arg("ids"), py::arg("w13"), py::arg("w2"),
         py::arg("b13") = py::none(), py::arg("b2") = py::none(), py::arg("swiglu_alpha") = 1.0,
         py::arg("swiglu_limit") = 0.0, py::arg("s13") = py::none(), py::arg("s2") = py::none(),
