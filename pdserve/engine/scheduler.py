@@ -13,7 +13,8 @@ step's total and only while something decodes. Prefills are served oldest first 
 >= 1, so the oldest prefill advances in every step: nothing starves; later ones may wait a step.
 When a running sequence needs a block and none is free, the most recently admitted running
 sequence not already scheduled in this step is preempted: its blocks are freed and it goes back to
-the front of the queue, to be re-prefilled (prompt + tokens generated so far) later.
+the front of the queue (behind any remote-prefill request holding its pulled blocks there), to be
+re-prefilled (prompt + tokens generated so far) later.
 
 Prefix cache (BlockManager): admission looks the sequence up first; its cached blocks count as
 computed (num_computed_tokens starts at the hit), so blocks, budget and the prefill cap are spent
@@ -253,7 +254,13 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        # to the front, but behind the pulled requests there (they hold their prompt's blocks and
+        # need no more to be admitted): in front of them, one that cannot fit while they hold
+        # their blocks would keep them, and itself, waiting for ever
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].block_table:
+            i += 1
+        self.waiting.insert(i, seq)
 
     def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
         """Remove a sequence for good (finished or aborted) and free its blocks (free_blocks=False:

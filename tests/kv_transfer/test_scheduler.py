@@ -81,3 +81,26 @@ def test_a_failed_pull_recomputes_from_what_was_cached_here():
     assert out.seqs == [r] and out.num_tokens == [10] and len(r.block_table) == 3
     s.finish(r, "stop")
     bm.check_all_free()
+
+
+def test_a_preempted_sequence_queues_behind_a_pulled_one():
+    """A pulled request waits for a seat holding its prompt's blocks; a sequence preempted
+    meanwhile cannot fit while it holds them, so it goes behind it, not before (where nothing
+    could ever run again: the simulator found this running the engine)."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = Scheduler(bm, max_num_batched_tokens=32, max_num_seqs=1, connector=FakeConnector())
+    a, r = seq("a", 16), seq("r", 13)
+    r.kv_transfer = True
+    s.add(a)
+    s.add(r)
+    run_step(s)   # a prefills its 4 blocks and samples; r is parked with the other 4: the cache is full
+    s.resume_loaded(r, 12)   # pulled: it waits for the seat a holds
+    out = run_step(s)   # a's decode needs a fifth block: a is preempted, and r is not admitted in that step
+    assert out.preempted == [a] and list(s.waiting) == [r, a]
+    out = run_step(s)
+    assert out.seqs == [r] and out.num_tokens == [1]   # r computes its last prompt token
+    s.finish(r, "stop")
+    out = run_step(s)
+    assert out.seqs == [a] and out.num_tokens == [17]   # then a recomputes
+    s.finish(a, "stop")
+    bm.check_all_free()
