@@ -104,3 +104,20 @@ def test_a_preempted_sequence_queues_behind_a_pulled_one():
     assert out.seqs == [a] and out.num_tokens == [17]   # then a recomputes
     s.finish(a, "stop")
     bm.check_all_free()
+
+
+def test_pulled_requests_take_seats_in_the_order_their_pulls_ended():
+    """Two pulls end while the one seat is taken: the first to end is admitted first (the latest
+    first would leave an early one waiting behind every later pull: the simulator's p99 TTFT of
+    a seat-bound 2P2D run went from 0.95 s to 3.6 s so)."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    s = Scheduler(bm, max_num_batched_tokens=32, max_num_seqs=1, connector=FakeConnector())
+    a, r1, r2 = seq("a", 4), seq("r1", 9), seq("r2", 9)
+    r1.kv_transfer = r2.kv_transfer = True
+    for x in (a, r1, r2):
+        s.add(x)
+    run_step(s)   # a takes the seat; r1 and r2 are parked
+    s.resume_loaded(r1, 8)
+    s.resume_loaded(r2, 8)
+    s.finish(a, "stop")
+    assert run_step(s).seqs == [r1]
