@@ -166,12 +166,13 @@ def step_cost(m: ModelCost, seqs: list[tuple[int, int]], logit_rows: int,
     for `logit_rows` rows. Attention counts the causal (useful) work: a query at position p scores
     and sums min(p + 1, window) keys. Bytes are the least a forward must move: every weight once
     (embedding rows per token, the lm_head only if some row gets logits), each sequence's K/V once,
-    the new K/V written; activations are not counted. "K/V" is what the paged cache holds a token:
-    for multi-head latent attention its latent row (kv_lora_rank + qk_rope_head_dim values a layer),
-    which an absorbed decode reads as it is (kv_b, its W_UK and W_UV, is read once with the weights). A mixture of experts reads the routed experts
-    the step selects, once each: `experts_read` (distinct (layer, expert) pairs, e.g. counted from
-    the routers), by default the expectation under uniform routing (ModelCost.experts_read); every
-    token multiplies by its top_k experts."""
+    the new K/V written; activations are not counted. "K/V" is what the paged cache holds a
+    token: for multi-head latent attention its latent row (kv_lora_rank + qk_rope_head_dim values
+    a layer), which an absorbed decode reads as it is (kv_b, its W_UK and W_UV, is read once with
+    the weights). A mixture of experts reads the routed experts the step selects, once each:
+    `experts_read` (distinct (layer, expert) pairs, e.g. counted from the routers), by default the
+    expectation under uniform routing (ModelCost.experts_read); every token multiplies by its top_k
+    experts."""
     T = sum(q for q, _ in seqs)
     kv_tokens = attn = 0
     for q, c in seqs:
