@@ -1,9 +1,10 @@
 """What one engine step costs, counted from the model config: FLOPs (linears, attention, lm_head)
 and bytes moved (weights, KV read and written). `pdserve roofline` sets these beside measured
 step times; the ratio of the two is each step's arithmetic intensity."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.config import ModelConfig
+from pdserve.layers.mla import MLAShape
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,19 @@ class ModelCost:
     top_k: int = 0
     expert_params: int = 0
     expert_itemsize: float = 0.0    # bytes per expert weight, if not itemsize
+    # what one token leaves in one layer's paged cache, in values (0: K and V, 2 x num_kv_heads x
+    # head_dim), as the model's kv_spec declares it (engine/kv_spec.py)
+    kv_values: int = 0
+    # multi-head latent attention (DeepSeek-V3; layers/mla.py): the cache holds one latent row of
+    # kv_lora_rank + qk_rope_head_dim values; decodes attend over it in the absorbed form
+    mla: MLAShape | None = None
 
     @classmethod
     def from_config(cls, m: ModelConfig, itemsize: int, weight_itemsize: float = 0.0) -> "ModelCost":
+        return replace(cls._from_config(m, itemsize, weight_itemsize), **cache_of(m))
+
+    @classmethod
+    def _from_config(cls, m: ModelConfig, itemsize: int, weight_itemsize: float) -> "ModelCost":
         h, H, Hkv, D, I, L = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size,
                               m.num_layers)
         raw = m.raw
@@ -67,7 +78,23 @@ class ModelCost:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+        """The paged cache's bytes per token, all layers: K and V, or MLA's latent row."""
+        values = self.kv_values or 2 * self.num_kv_heads * self.head_dim
+        return self.num_layers * values * self.itemsize
+
+    def attention_flops(self, q: int, keys: int, kv_tokens: int) -> int:
+        """One sequence's attention FLOPs in a step, all layers (2 a multiply-add): q new queries
+        scoring `keys` query-key pairs, over kv_tokens cached tokens. MLA as layers/mla.py runs
+        it: a decode (q == 1) in the absorbed form, q_nope through W_UK into the latent space,
+        scores over the latent and rope parts, the sum over the latents, the result through W_UV;
+        a prefill chunk expands every key's per-head K/V from its latent (kv_b) first."""
+        L, H, s = self.num_layers, self.num_heads, self.mla
+        if s is None:
+            return 4 * L * H * self.head_dim * keys   # QK^T and PV
+        r, up = s.kv_lora_rank, s.qk_nope_head_dim + s.v_head_dim   # kv_b: r -> per head nope + v
+        if q == 1:
+            return 2 * L * H * ((2 * r + s.qk_rope_head_dim) * keys + up * r)
+        return 2 * L * H * ((s.qk_head_dim + s.v_head_dim) * keys + up * r * kv_tokens)
 
 
 @dataclass
@@ -86,6 +113,17 @@ class StepCost:
     @property
     def bytes(self) -> int:
         return self.bytes_weights + self.bytes_kv_read + self.bytes_kv_write
+
+
+def cache_of(m: ModelConfig) -> dict:
+    """kv_values and mla of a model, from its kv_spec (one plane: MLA's latent row)."""
+    from pdserve.engine.kv_spec import kv_spec
+    spec = kv_spec(m)
+    mla = None
+    if spec.planes == 1:
+        from pdserve.models.deepseek_v3 import mla_shape
+        mla = mla_shape(m)
+    return {"kv_values": spec.planes * spec.heads * spec.dim, "mla": mla}
 
 
 def moe_cost(m: ModelConfig) -> tuple[int, int, int, int, int, int, int, int] | None:
@@ -128,23 +166,27 @@ def step_cost(m: ModelCost, seqs: list[tuple[int, int]], logit_rows: int,
     for `logit_rows` rows. Attention counts the causal (useful) work: a query at position p scores
     and sums min(p + 1, window) keys. Bytes are the least a forward must move: every weight once
     (embedding rows per token, the lm_head only if some row gets logits), each sequence's K/V once,
-    the new K/V written; activations are not counted. A mixture of experts reads the routed experts
-    the step selects, once each: `experts_read` (distinct (layer, expert) pairs, e.g. counted from
-    the routers), by default the expectation under uniform routing (ModelCost.experts_read); every
-    token multiplies by its top_k experts."""
+    the new K/V written; activations are not counted. "K/V" is what the paged cache holds a
+    token: for multi-head latent attention its latent row (kv_lora_rank + qk_rope_head_dim values
+    a layer), which an absorbed decode reads as it is (kv_b, its W_UK and W_UV, is read once with
+    the weights). A mixture of experts reads the routed experts the step selects, once each:
+    `experts_read` (distinct (layer, expert) pairs, e.g. counted from the routers), by default the
+    expectation under uniform routing (ModelCost.experts_read); every token multiplies by its top_k
+    experts."""
     T = sum(q for q, _ in seqs)
-    keys = kv_tokens = 0
+    kv_tokens = attn = 0
     for q, c in seqs:
         w = m.sliding_window or c
-        keys += sum(min(p + 1, w) for p in range(c - q, c))
-        kv_tokens += min(c, q + w - 1)   # the keys any of its queries sees, each read once
+        seen = min(c, q + w - 1)   # the keys any of its queries sees, each read once
+        kv_tokens += seen
+        attn += m.attention_flops(q, sum(min(p + 1, w) for p in range(c - q, c)), seen)
     linear_size = m.weight_itemsize or m.itemsize
     head = (m.lm_head_params if logit_rows else 0) * (m.lm_head_itemsize or linear_size)
     experts = m.experts_read(T) if experts_read is None else experts_read
     routed = m.moe_layers * m.top_k * m.expert_params   # the expert weights each token multiplies by
     return StepCost(
         flops_linear=2 * (m.body_matmul_params + routed) * T,
-        flops_attn=4 * m.num_layers * m.num_heads * m.head_dim * keys,   # QK^T and PV, 2 FLOPs per MAC
+        flops_attn=attn,
         flops_lm_head=2 * m.lm_head_params * logit_rows,
         bytes_weights=round(m.body_matmul_params * linear_size + head
                             + experts * m.expert_params * (m.expert_itemsize or m.itemsize)

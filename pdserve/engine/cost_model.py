@@ -154,14 +154,15 @@ class StepCostModel:
         return model
 
 
-def calibrate(model: StepCostModel, run_step, shapes: list[tuple[list[int], list[int]]], repeats: int = 2) -> None:
+def calibrate(model: StepCostModel, run_step, shapes: list[tuple[list[int], list[int]]], repeats: int = 2,
+              clock=time.perf_counter) -> None:
     """Time run_step(num_tokens, contexts) on each shape (one untimed warm-up each), then fit."""
     for num_tokens, contexts in shapes:
         run_step(num_tokens, contexts)
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = clock()
             run_step(num_tokens, contexts)
-            model.add_calibration(step_features(num_tokens, contexts), time.perf_counter() - t0)
+            model.add_calibration(step_features(num_tokens, contexts), clock() - t0)
     model.fit()
 
 

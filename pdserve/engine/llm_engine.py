@@ -39,27 +39,45 @@ class LLMEngine:
     computes_prompt_logprobs = True   # SamplingParams.prompt_logprobs (the server asks before it admits)
 
     def __init__(self, model: str, **kwargs):
-        self.config = EngineConfig(model=model, **kwargs)
-        self.model_config = ModelConfig.from_dir(model)
-        check_requested(self.model_config.quantization, self.config.quantization)
-        self.tokenizer = Tokenizer.from_dir(model)
-        self.model_name = os.path.basename(os.path.normpath(model))
-        if self.config.device == "cpu":
-            torch.set_num_threads(self.config.threads or len(os.sched_getaffinity(0)))
-        limit = self.model_config.max_position_embeddings
-        self.max_model_len = min(self.config.max_model_len or limit, limit)
-        self.model_config.max_model_len = self.max_model_len   # the served length longrope's tables follow
-        self.runner = ModelRunner(self.model_config, self.config, self.max_model_len, self.tokenizer.eos_token_ids)
+        config = EngineConfig(model=model, **kwargs)
+        model_config = ModelConfig.from_dir(model)
+        check_requested(model_config.quantization, config.quantization)
+        tokenizer = Tokenizer.from_dir(model)
+        if config.device == "cpu":
+            torch.set_num_threads(config.threads or len(os.sched_getaffinity(0)))
+        limit = model_config.max_position_embeddings
+        model_config.max_model_len = min(config.max_model_len or limit, limit)   # the served length longrope follows
+        runner = ModelRunner(model_config, config, model_config.max_model_len, tokenizer.eos_token_ids)
         # with no --threads the count follows the machine: fewer while other work takes cores (threads.py)
-        self.threads = None
-        if self.config.device == "cpu" and self.config.threads is None and torch.get_num_threads() > 1:
-            self.threads = ThreadTuner(torch.get_num_threads(), torch.set_num_threads)
-        if self.config.device == "cpu":
+        threads = None
+        if config.device == "cpu" and config.threads is None and torch.get_num_threads() > 1:
+            threads = ThreadTuner(torch.get_num_threads(), torch.set_num_threads)
+        if config.device == "cpu":
             logger.info("CPU: %d threads%s; %s", torch.get_num_threads(),
-                        " (fewer while other work takes the cores)" if self.threads else "",
-                        self.runner.backend.describe())
+                        " (fewer while other work takes the cores)" if threads else "", runner.backend.describe())
         else:
-            logger.info("%s", self.runner.backend.describe())
+            logger.info("%s", runner.backend.describe())
+        self._assemble(config, model_config, tokenizer, runner, threads=threads)
+
+    @classmethod
+    def from_parts(cls, config: EngineConfig, model_config: ModelConfig, tokenizer, runner, connector=None,
+                   clock: Callable[[], float] = time.perf_counter) -> "LLMEngine":
+        """An engine around parts made elsewhere instead of loaded (the simulator's: a runner
+        stand-in whose execute() advances `clock` by a step-time model, and a simulated KV
+        connector); model_config.max_model_len is the served length. The scheduling, step and
+        output code is this class's own."""
+        engine = cls.__new__(cls)
+        engine._assemble(config, model_config, tokenizer, runner, connector, clock)
+        return engine
+
+    def _assemble(self, config: EngineConfig, model_config: ModelConfig, tokenizer, runner, connector=None,
+                  clock: Callable[[], float] = time.perf_counter, threads: ThreadTuner | None = None) -> None:
+        """Everything around the runner: cache blocks, policy, scheduler, KV connector, outputs, hooks."""
+        self.config, self.model_config, self.tokenizer, self.runner = config, model_config, tokenizer, runner
+        self.clock = clock   # every timestamp of a request's life and a step's (time.perf_counter seconds)
+        self.threads = threads
+        self.model_name = os.path.basename(os.path.normpath(config.model))
+        self.max_model_len = model_config.max_model_len
         c = self.config
         # the cache namespace: besides tokens and cache_salt, what makes a block's K/V what it is
         namespace = (str(self.runner.dtype), c.quantization)
@@ -74,7 +92,7 @@ class LLMEngine:
         policy = make_policy(c.scheduling_policy, self.cost_model, c.max_num_batched_tokens, c.slo_admission)
         # prefill/decode roles: the KV connector (None with --role both)
         self.kv_dtype = str(self.runner.dtype).removeprefix("torch.")
-        self.connector = make_connector(c, self.runner, self.kv_dtype)
+        self.connector = connector if connector is not None else make_connector(c, self.runner, self.kv_dtype)
         self.scheduler = Scheduler(self.block_manager, c.max_num_batched_tokens, c.max_num_seqs,
                                    c.max_prefill_tokens_with_decodes, policy, self.connector)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); prefix caching %s", self.runner.num_blocks,
@@ -101,7 +119,7 @@ class LLMEngine:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         seq = self.processor.new_sequence(request_id, prompt, params,
-                                          time.perf_counter() if arrival_time is None else arrival_time)
+                                          self.clock() if arrival_time is None else arrival_time)
         n, m = seq.num_prompt_tokens, params.max_tokens
         capacity = self.kv_capacity
         if n + m > capacity:
@@ -115,7 +133,7 @@ class LLMEngine:
         kv = params.kv_transfer_params
         if kv is not None and kv.active:
             self._check_kv_transfer(seq, kv)
-        why = self.scheduler.policy.refuse(seq, self.scheduler, time.perf_counter())
+        why = self.scheduler.policy.refuse(seq, self.scheduler, self.clock())
         if why is not None:
             if seq.kv_transfer is not None:   # refused here: the prefill worker need not keep its KV
                 self.connector.discard(seq)
@@ -191,7 +209,7 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return
         self.scheduler.finish(seq, "abort")
-        seq.metrics.finished_time = time.perf_counter()
+        seq.metrics.finished_time = self.clock()
         self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -222,11 +240,11 @@ class LLMEngine:
         self._aborted = []
         if self.connector is not None:
             self._poll_connector(outputs)
-        start = time.perf_counter()
+        start = self.clock()
         sched = None
         try:
             sched = self._schedule(start)
-            scheduled = time.perf_counter()
+            scheduled = self.clock()
             if not sched.seqs:
                 if not outputs and self.connector is not None and self.connector.has_pending():
                     self.connector.wait_for_load(IDLE_WAIT_S)   # nothing to run until a pull ends
@@ -241,7 +259,7 @@ class LLMEngine:
             logger.exception("engine step failed; failing its %d requests", len(failed))
             self._fail(failed, outputs)
             return outputs
-        end = time.perf_counter()
+        end = self.clock()
         phases = {"schedule": scheduled - start, **self.runner.last_times}
         phases["output"] = end - start - sum(phases.values())
         self.last_step = StepStats(start, end - start, len(sched.seqs), sched.num_prefill_tokens,
@@ -266,12 +284,12 @@ class LLMEngine:
             self.fault_hook(sched)
         for hook in self.hooks:
             hook.before_forward(sched)
-        forward_start = time.perf_counter()
+        forward_start = self.clock()
         try:
             sampled = self.runner.execute(sched)
         finally:
             for hook in self.hooks:
-                hook.after_forward(sched, time.perf_counter() - forward_start)
+                hook.after_forward(sched, self.clock() - forward_start)
         if self.speculator is not None:   # before mark_computed: rejected drafts are not computed
             self.speculator.verified(sched, sampled)
         self.scheduler.mark_computed(sched)
@@ -280,7 +298,7 @@ class LLMEngine:
     def _process(self, sched: SchedulerOutput, sampled: list, outputs: list[RequestOutput]) -> None:
         """Each sampled token appended, detokenized and stop-checked into `outputs`; finished
         sequences freed (or, on a prefill worker, their KV leased)."""
-        now = time.perf_counter()
+        now = self.clock()
         failed, errors = [], {}
         for seq, token, logprobs in sampled:
             # One request's failure here (its sampling: token None; detokenizing, stop checks)
@@ -347,7 +365,7 @@ class LLMEngine:
         shapes = [(n, ctx) for n, ctx in shapes
                   if sum(-(-(a + b) // c.block_size) for a, b in zip(n, ctx)) * c.block_size <= capacity]
         t0 = time.perf_counter()
-        calibrate(self.cost_model, self._fake_step, shapes, repeats=1)
+        calibrate(self.cost_model, self._fake_step, shapes, repeats=1, clock=self.clock)
         logger.info("step-time model calibrated in %.1f s: %s", time.perf_counter() - t0, self.cost_model.describe())
         return self.cost_model
 
@@ -374,7 +392,7 @@ class LLMEngine:
 
         An exception in here (e.g. a block freed twice) leaves the engine inconsistent: it
         propagates, and the server's engine loop dies and reports it."""
-        now = time.perf_counter()
+        now = self.clock()
         for seq in seqs:
             if seq.is_finished or seq.request_id not in self.seqs:
                 continue

@@ -13,7 +13,8 @@ step's total and only while something decodes. Prefills are served oldest first 
 >= 1, so the oldest prefill advances in every step: nothing starves; later ones may wait a step.
 When a running sequence needs a block and none is free, the most recently admitted running
 sequence not already scheduled in this step is preempted: its blocks are freed and it goes back to
-the front of the queue, to be re-prefilled (prompt + tokens generated so far) later.
+the front of the queue (behind any remote-prefill request holding its pulled blocks there), to be
+re-prefilled (prompt + tokens generated so far) later.
 
 Prefix cache (BlockManager): admission looks the sequence up first; its cached blocks count as
 computed (num_computed_tokens starts at the hit), so blocks, budget and the prefill cap are spent
@@ -34,8 +35,9 @@ Remote prefill (a decode worker's KV connector, pdserve/kv_transfer/): a waiting
 prompt KV a prefill worker holds is admitted before the others, without budget or seat (in queue
 order, while blocks last; not in a step that preempted): it gets blocks for its whole prompt and waits in `loading` (WAITING_FOR_REMOTE_KVS) while the connector pulls the KV
 into them in the background. When the pull ends it goes to the front of the queue still holding
-its blocks, with num_computed_tokens = the tokens loaded (a failed pull: what was cached here),
-and is admitted as a prefill of the rest (the last prompt token at least). Preempted later, it
+its blocks (behind the requests whose pulls ended before), with num_computed_tokens = the tokens
+loaded (a failed pull: what was cached here), and is admitted as a prefill of the rest (the last
+prompt token at least). Preempted later, it
 recomputes like any other sequence.
 
 The scheduler has no model: it can be tested with fake sequences and fake sampled tokens."""
@@ -239,11 +241,20 @@ class Scheduler:
         self.connector.update_state_after_alloc(seq, remote)
 
     def resume_loaded(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """seq's pull ended with its first num_computed_tokens in its blocks: to the front of the queue."""
+        """seq's pull ended with its first num_computed_tokens in its blocks: to the front of the
+        queue, behind the pulled requests already there (they are served in the order their pulls
+        ended, not the latest first)."""
         del self.loading[seq.request_id]
         seq.num_computed_tokens = num_computed_tokens
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.insert(self._behind_pulled(), seq)
+
+    def _behind_pulled(self) -> int:
+        """The queue position after the pulled requests at its front (they hold their blocks)."""
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].block_table:
+            i += 1
+        return i
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: free the blocks, requeue at the front; its tokens are kept."""
@@ -253,7 +264,10 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        # to the front, but behind the pulled requests there (they hold their prompt's blocks and
+        # need no more to be admitted): in front of them, one that cannot fit while they hold
+        # their blocks would keep them, and itself, waiting for ever
+        self.waiting.insert(self._behind_pulled(), seq)
 
     def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
         """Remove a sequence for good (finished or aborted) and free its blocks (free_blocks=False:

@@ -80,6 +80,12 @@ class KVConnectorBase:
         return []
 
 
+def tokens_to_pull(seq, num_computed_tokens: int) -> int:
+    """The prompt tokens a decode worker pulls for seq after the first num_computed_tokens (cached
+    here): all but the last, which it computes itself, for its logits."""
+    return max(0, seq.num_prompt_tokens - 1 - num_computed_tokens)
+
+
 @dataclass
 class LoadResult:
     seq: object
@@ -156,11 +162,10 @@ class PDConnector(KVConnectorBase):
         p = seq.kv_transfer
         if p is None:
             return 0
-        end = seq.num_prompt_tokens - 1   # the last prompt token is computed here, for its logits
-        if end <= num_computed_tokens:     # all of it is cached here already: only the lease to free
+        n = tokens_to_pull(seq, num_computed_tokens)
+        if not n:   # all of it is cached here already: only the lease to free
             self.discard(seq)
-            return 0
-        return end - num_computed_tokens
+        return n
 
     def discard(self, seq):
         p, seq.kv_transfer = seq.kv_transfer, None

@@ -104,6 +104,9 @@ def build(args):
     dtype = args.dtype if args.dtype != "auto" else (model_cfg.torch_dtype or "float32") if on_gpu else "float32"
     itemsize = 2 if dtype in ("bfloat16", "float16") else 4
     cfg = EngineConfig(**{**kwargs, "device": "cpu"})   # the simulated replicas' flags (no device is used)
+    if cfg.speculative() is not None:   # drafts and their acceptance would need a model of their own
+        raise ValueError("the simulator does not model speculative decoding: leave out --num-speculative-tokens, "
+                         "--speculative-model and --speculative-config")
     cost = ModelCost.from_config(model_cfg, itemsize)
     bytes_per_block = cost.kv_bytes_per_token * cfg.block_size
     if args.gpu:

@@ -2,10 +2,13 @@
 decode workers behind a proxy, driven by clients that send a workload (open loop at its arrival
 times, or closed loop under a concurrency cap as `pdserve bench --max-concurrency` does).
 
-Disaggregated requests follow the prefill/decode contract of pdserve's proxy: a prefill worker
-runs the prompt with max_tokens 1 and keeps its blocks under a lease; the decode worker takes
-blocks and a seat, pulls the K/V of all but the last prompt token (latency + bytes / bandwidth),
-computes that token itself and decodes; the lease ends when the pull is done."""
+Disaggregated requests go as pdserve's proxy sends them (proxy/relay.py): the decode worker is
+chosen first; the prefill worker runs the prompt with max_tokens 1 and keeps its blocks under a
+lease for it; the decode worker is then called with the kv_transfer_params the prefill worker
+returned, and its engine does what a --role decode engine does (the scheduler parks the request
+with blocks for its prompt, outside budget and seats, while the K/V of all but the last prompt
+token is pulled in latency + bytes / bandwidth; then it waits for a seat at the front of the
+queue, computes that token and decodes). The lease ends when the pull is done."""
 import itertools
 import math
 from collections import deque
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pdserve.bench.bench_metrics import RequestResult
 from pdserve.config import EngineConfig
-from pdserve.engine.sequence import Sequence
+from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.objectives import RequestObjectives
 from pdserve.sampling_params import SamplingParams
 from pdserve.sim.events import EventLoop
@@ -122,20 +125,23 @@ class Simulation:
         self.loop, self.spec, self.placement, self.transfer = EventLoop(), spec, placement, transfer
         self.max_concurrency = max_concurrency
         self.router_latency_s = router_latency_s
-        make = lambda name, st=step_time: Replica(self.loop, name, spec.cfg, st, spec.num_blocks,   # noqa: E731
-                                                  spec.max_model_len, spec.vocab_size, self._on_finish)
+
+        def make(name, role="both", st=step_time):
+            return Replica(self.loop, name, spec.cfg, st, spec.num_blocks, spec.max_model_len, spec.vocab_size,
+                           self._on_output, role, transfer.bytes_per_token if transfer else 0,
+                           transfer.seconds if transfer else None, self._pulled)
         if placement.disaggregated:
-            self.prefill = [make(f"prefill-{i}", prefill_step_time or step_time) for i in range(placement.prefill)]
-            self.decode = [make(f"decode-{i}") for i in range(placement.decode)]
-            for r in self.prefill:
-                r.hold_kv = True
+            self.prefill = [make(f"prefill-{i}", "prefill", prefill_step_time or step_time)
+                            for i in range(placement.prefill)]
+            self.decode = [make(f"decode-{i}", "decode") for i in range(placement.decode)]
             self.prefill_router, self.router = self._router(self.prefill, router), self._router(self.decode, router)
         else:
             self.prefill, self.decode = [], [make(f"replica-{i}") for i in range(placement.replicas)]
             self.router = self._router(self.decode, router)
+        self.workers = {r.name: r for r in self.prefill + self.decode}
         self.results: list[RequestResult | None] = []
-        self._client: dict[int, tuple[int, float, SimRequest]] = {}   # id(seq) -> (index, send time, request)
-        self._decode_of: dict[int, tuple[Sequence, int, float, SimRequest]] = {}   # prefill seq -> its decode
+        self._client: dict[str, tuple[int, float, SimRequest]] = {}   # request id -> (index, send time, request)
+        self._decode_of: dict[str, Replica] = {}   # a prefill request's id -> the decode worker chosen for it
         self._backlog: deque = deque()
         self._in_flight = 0
 
@@ -155,7 +161,7 @@ class Simulation:
                  for r in self.prefill + self.decode]
         return SimResult(self.results, max(ends, default=0.0), stats)
 
-    # ---- the clients
+    # ---- the clients and the proxy
 
     def _arrive(self, i: int, r: SimRequest) -> None:
         if self.max_concurrency is not None and self._in_flight >= self.max_concurrency:
@@ -164,42 +170,40 @@ class Simulation:
         self._send(i, r)
 
     def _send(self, i: int, r: SimRequest) -> None:
-        now, spec = self.loop.now, self.spec
+        """The request leaves its client; as pdserve's proxy does, the decode worker is chosen
+        before the prefill call (its lease is made for that worker)."""
+        now, rid = self.loop.now, f"req-{i}"
         self._in_flight += 1
-        n, m = len(r.prompt), r.output_len
-        limit = min(spec.max_model_len, spec.kv_capacity)
-        if n + m > limit:   # the server's 400: a refusal, as pdserve bench records it
-            return self._done(i, RequestResult(prompt_len=n, start_time=now, kind=r.kind,
-                                               error=f"prompt ({n}) + max_tokens ({m}) exceeds {limit} tokens"))
-        seq = self._sequence(f"req-{i}", r, m, now)
+        self._client[rid] = (i, now, r)
+        decode = self.router.pick(r.prompt)
+        call = (decode, rid, r, r.output_len, None)
         if self.placement.disaggregated:
-            first = self._sequence(f"req-{i}-prefill", r, 1, now)
-            self._decode_of[id(first)] = (seq, i, now, r)
-            router, seq_to_add = self.prefill_router, first
-        else:
-            router, seq_to_add = self.router, seq
-        target = router.pick(r.prompt)
-        why = target.scheduler.policy.refuse(seq_to_add, target.scheduler, now)
-        if why is not None:
-            self._decode_of.pop(id(seq_to_add), None)
-            router.completed(target)
-            return self._done(i, RequestResult(prompt_len=n, start_time=now, kind=r.kind, error=why))
-        self._client[id(seq)] = (i, now, r)
+            prefill = self.prefill_router.pick(r.prompt)
+            self._decode_of[f"{rid}-prefill"] = decode
+            call = (prefill, f"{rid}-prefill", r, 1, KVTransferParams(do_remote_decode=True, decode_engine_id=decode.name))
         if self.router_latency_s > 0:
-            seq.metrics.arrival_time = seq_to_add.metrics.arrival_time = now + self.router_latency_s
-            self.loop.at(now + self.router_latency_s, target.add, seq_to_add)
-        else:
-            target.add(seq_to_add)
+            self.loop.at(now + self.router_latency_s, self._call, *call)
+        else:   # now, before a step ending at this instant starts the next
+            self._call(*call)
 
-    def _sequence(self, rid: str, r: SimRequest, max_tokens: int, now: float) -> Sequence:
+    def _call(self, replica: Replica, request_id: str, r: SimRequest, max_tokens: int, kv) -> None:
+        """The request reaches a replica; a refusal is the client's answer (the server's 400)."""
         obj = RequestObjectives(r.priority, r.ttft_ms, r.tpot_ms) if (r.priority or r.ttft_ms or r.tpot_ms) else None
-        seq = Sequence(rid, r.prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, objectives=obj), now)
-        cfg = self.spec.cfg
-        ttft = r.ttft_ms if r.ttft_ms is not None else cfg.slo_ttft_ms
-        tpot = r.tpot_ms if r.tpot_ms is not None else cfg.slo_tpot_ms
-        seq.metrics.ttft_target = None if ttft is None else ttft / 1e3
-        seq.metrics.tpot_target = None if tpot is None else tpot / 1e3
-        return seq
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, final_only=True, objectives=obj,
+                                kv_transfer_params=kv)
+        why = replica.add(request_id, r.prompt, params)
+        if why is None:
+            return
+        if kv is not None and kv.do_remote_prefill:   # the proxy ends the lease of a refused decode call
+            self._pulled(kv)
+        rid = request_id.removesuffix("-prefill")
+        decode = self._decode_of.pop(request_id, None)
+        if decode is not None:   # the prefill call was refused: the decode worker chosen is not called
+            self.prefill_router.completed(replica)
+            replica = decode
+        self.router.completed(replica)
+        i, sent, _ = self._client.pop(rid)
+        self._done(i, RequestResult(prompt_len=len(r.prompt), start_time=sent, kind=r.kind, error=why))
 
     def _done(self, i: int, result: RequestResult) -> None:
         self.results[i] = result
@@ -209,20 +213,28 @@ class Simulation:
 
     # ---- the replicas' callbacks
 
-    def _on_finish(self, replica: Replica, seq: Sequence, now: float) -> None:
-        handoff = self._decode_of.pop(id(seq), None)
-        if handoff is not None:   # a prefill worker's part is done: the proxy sends it on
+    def _pulled(self, kv) -> None:
+        """A decode worker has pulled a prompt's KV (or needs it no more): the lease ends."""
+        self.workers[kv.remote_engine_id].connector.release(kv.remote_request_id)
+
+    def _on_output(self, replica: Replica, out, now: float) -> None:
+        decode = self._decode_of.pop(out.request_id, None)
+        rid = out.request_id.removesuffix("-prefill")
+        i, sent, r = self._client[rid]
+        if decode is not None:   # a prefill worker's part is done: the proxy calls the decode worker
             self.prefill_router.completed(replica)
-            decode_seq = handoff[0]
-            target = self.router.pick(decode_seq.prompt_token_ids)
-            target.add_remote(decode_seq, self.transfer.seconds(decode_seq.num_tokens - 1),
-                              lambda: replica.release(seq))
-            return
+            if out.kv_transfer_params is not None:
+                kv = KVTransferParams.from_dict(out.kv_transfer_params)
+                return self._call(decode, rid, r, r.output_len, kv)
+            replica = decode
         self.router.completed(replica)
-        i, sent, r = self._client.pop(id(seq))
-        m = seq.metrics
+        del self._client[rid]
+        if out.finish_reason == "error" or out.kv_transfer_params is None and decode is not None:
+            return self._done(i, RequestResult(prompt_len=len(r.prompt), start_time=sent, kind=r.kind,
+                                               error=f"{out.request_id} failed"))
+        m = out.metrics
         t = m.token_times
-        self._done(i, RequestResult(prompt_len=seq.num_prompt_tokens, output_tokens=seq.num_output_tokens,
+        self._done(i, RequestResult(prompt_len=len(r.prompt), output_tokens=len(out.token_ids),
                                     ttft=m.first_token_time - sent, itl=[b - a for a, b in zip(t, t[1:])],
                                     latency=m.finished_time - sent, start_time=sent, success=True, kind=r.kind))
 

@@ -84,20 +84,20 @@ class DatasheetStepTime:
             raise ValueError(f"--step-overhead-ms must be >= 0, got {overhead_s * 1e3}")
         self.gpu, self.cost, self.mfu, self.mbu, self.overhead_s = gpu, cost, mfu, mbu, overhead_s
         m = cost
-        self._flops_per_key = 4 * m.num_layers * m.num_heads * m.head_dim
         self._weight_bytes = m.body_matmul_params * (m.weight_itemsize or m.itemsize) + m.body_other_params * m.itemsize
 
     def __call__(self, out: SchedulerOutput) -> float:
         """As bench/step_cost.step_cost counts a step, in closed form (it runs for every step)."""
         m = self.cost
-        tokens = keys = kv_tokens = rows = 0
+        tokens = attn = kv_tokens = rows = 0
         for seq, n in zip(out.seqs, out.num_tokens):
             c = seq.num_computed_tokens + n
+            seen = min(c, n + (m.sliding_window or c) - 1)
             tokens += n
-            keys += attention_keys(n, c, m.sliding_window)
-            kv_tokens += min(c, n + (m.sliding_window or c) - 1)
+            attn += m.attention_flops(n, attention_keys(n, c, m.sliding_window), seen)
+            kv_tokens += seen
             rows += c == seq.num_tokens   # it samples: a logits row
-        flops = 2 * m.body_matmul_params * tokens + self._flops_per_key * keys + 2 * m.lm_head_params * rows
+        flops = 2 * m.body_matmul_params * tokens + attn + 2 * m.lm_head_params * rows
         nbytes = (self._weight_bytes + (m.lm_head_params * (m.weight_itemsize or m.itemsize) if rows else 0)
                   + m.embed_row_params * tokens * m.itemsize + (kv_tokens + tokens) * m.kv_bytes_per_token)
         return max(flops / (self.gpu.peak_flops * self.mfu), nbytes / (self.gpu.bandwidth * self.mbu)) + self.overhead_s

@@ -1,140 +1,101 @@
-"""One simulated engine: pdserve's own Scheduler, BlockManager and policy over real Sequences,
-stepped on the simulator's clock, with the forward replaced by a step-time model.
+"""One simulated engine: pdserve's own LLMEngine (LLMEngine.from_parts) around a timed runner
+stand-in (runner.py) and, for a prefill or decode worker, a simulated KV connector
+(connector.py), stepped on the simulator's clock.
 
-A step mirrors LLMEngine.step: schedule at the step's start (requests that arrived during the
-previous step join here), take the step-time model's duration, then mark the scheduled tokens
-computed, and every sequence whose tokens are all cached samples one token (a placeholder id:
-outputs run to their max_tokens, as with ignore_eos). A finished sequence frees its blocks in
-the same step. The engine loop starts the next step at once while anything is unfinished."""
-from collections import deque
+The engine loop as the server runs it: a step starts when the replica is idle and something
+arrives, a pull ends or a lease is freed, and again at once after each step while the engine
+has unfinished work. LLMEngine.step runs whole at the step's start (schedule, the runner's
+forward, outputs), its clock reading the step's end after the forward; the outputs reach the
+clients at the end. Requests that arrive during a step join the next one."""
+import dataclasses
 from collections.abc import Callable
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.cost_model import StepCostModel, calibration_shapes, step_features
-from pdserve.engine.policy import make_policy
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
+from pdserve.sim.connector import SimConnector
 from pdserve.sim.events import EventLoop
+from pdserve.sim.runner import PlaceholderTokenizer, StepClock, TimedRunner
 
 
-def policy_cost_model(step_time, cfg, max_model_len: int) -> StepCostModel:
-    """The slo policy's step-time model: the fitted one itself, or one fitted on the datasheet
-    model's times of the shapes the engine calibrates on at start-up."""
-    model = getattr(step_time, "model", None)
-    if model is not None:
-        return model
-    model, params = StepCostModel(), SamplingParams(max_tokens=1)
-    for num_tokens, contexts in calibration_shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len):
-        out = SchedulerOutput()
-        for i, (n, c) in enumerate(zip(num_tokens, contexts)):
-            seq = Sequence("calibration", [0] * (c + n), params, 0.0)
-            seq.num_computed_tokens = c
-            out.add(seq, n, n > 1)
-        model.add_calibration(step_features(num_tokens, contexts), step_time(out))
-    model.fit()
-    return model
+def sim_model_config(cfg: EngineConfig, vocab_size: int, max_model_len: int) -> ModelConfig:
+    """What the engine reads of a model around a runner stand-in: its vocabulary and served length."""
+    return ModelConfig(path=cfg.model, architecture="simulated", vocab_size=vocab_size, hidden_size=0, num_layers=0,
+                       num_heads=0, num_kv_heads=0, head_dim=0, intermediate_size=0,
+                       max_position_embeddings=max_model_len, tie_word_embeddings=False, torch_dtype=None, raw={},
+                       max_model_len=max_model_len)
 
 
 class Replica:
-    def __init__(self, loop: EventLoop, name: str, cfg, step_time: Callable[[SchedulerOutput], float],
-                 num_blocks: int, max_model_len: int, vocab_size: int, on_finish: Callable):
-        """cfg: an EngineConfig (the fields the scheduler reads); on_finish(replica, seq, now) is
-        called once a sequence is done."""
-        self.loop, self.name, self.cfg, self.step_time = loop, name, cfg, step_time
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        cost = policy_cost_model(step_time, cfg, max_model_len) if cfg.scheduling_policy == "slo" else None
-        policy = make_policy(cfg.scheduling_policy, cost, cfg.max_num_batched_tokens, cfg.slo_admission)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                   cfg.max_prefill_tokens_with_decodes, policy)
-        self.vocab_size = vocab_size
-        self.on_finish = on_finish
+    def __init__(self, loop: EventLoop, name: str, cfg: EngineConfig, step_time, num_blocks: int, max_model_len: int,
+                 vocab_size: int, on_output: Callable, role: str = "both", kv_bytes_per_token: int = 0,
+                 pull_seconds: Callable[[int], float] | None = None, pulled: Callable | None = None):
+        """on_output(replica, output, now): a request's final output (RequestOutput) reached its
+        client; role prefill or decode: a P/D worker with a simulated connector, whose pulls take
+        pull_seconds(tokens) and end a lease through pulled(kv_transfer_params)."""
+        self.loop, self.name, self.on_output = loop, name, on_output
+        self.clock = StepClock(loop)
+        runner = TimedRunner(step_time, self.clock, num_blocks, cfg.block_size, kv_bytes_per_token, vocab_size)
+        self.connector = None
+        if role != "both":
+            cfg = dataclasses.replace(cfg, role=role, kv_transfer_secret="simulated")
+            self.connector = SimConnector(role, loop, name, cfg.block_size, self._kick, pull_seconds, pulled)
+        self.engine = LLMEngine.from_parts(cfg, sim_model_config(cfg, vocab_size, max_model_len),
+                                           PlaceholderTokenizer(), runner, self.connector, self.clock)
+        self.clock.settle()   # the slo policy's start-up calibration ran steps on it
         self.busy = False
-        self.hold_kv = False       # a prefill worker: a finished sequence keeps its blocks (a lease)
-        self.remote: deque = deque()   # waiting for blocks to load K/V into
-        self.loading = 0
+        self.in_flight = 0   # requests added and not yet answered
         self.num_steps = 0
         self.busy_time = 0.0
         self.num_preemptions = 0
-        self._token = 0
 
     @property
     def load(self) -> int:
-        s = self.scheduler
-        return len(s.waiting) + len(s.running) + len(self.remote) + self.loading
+        return self.in_flight
 
-    def add(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
+        """Hand a request to the engine now; the refusal's message, if it refuses (the server's 400)."""
+        try:
+            self.engine.add_request(request_id, prompt, params, arrival_time=self.loop.now)
+        except RequestError as e:
+            return str(e)
+        self.in_flight += 1
         self._kick()
-
-    def add_remote(self, seq: Sequence, transfer_s: float, on_loaded: Callable[[], None]) -> None:
-        """A request whose prompt a prefill worker computed (docs/SIMULATOR.md): it takes blocks
-        for its prompt and a seat, waits transfer_s while the K/V of all but its last prompt token
-        arrive, then joins the running sequences with that last token to compute itself (and
-        on_loaded() is called: the prefill worker may free them)."""
-        self.remote.append((seq, transfer_s, on_loaded))
-        self._admit_remote()
-
-    def release(self, seq: Sequence) -> None:
-        """End the lease on a finished prefill's blocks."""
-        self.block_manager.free(seq)
-        self._admit_remote()
-        self._kick()
-
-    def _admit_remote(self) -> None:
-        bm, cfg = self.block_manager, self.cfg
-        while self.remote and len(self.scheduler.running) + self.loading < cfg.max_num_seqs:
-            seq, transfer_s, on_loaded = self.remote[0]
-            if not bm.try_allocate(seq, seq.num_tokens):
-                break
-            self.remote.popleft()
-            self.loading += 1
-            self.loop.at(self.loop.now + transfer_s, self._loaded, seq, on_loaded)
-
-    def _loaded(self, seq: Sequence, on_loaded: Callable[[], None]) -> None:
-        self.loading -= 1
-        on_loaded()
-        seq.status = SequenceStatus.RUNNING
-        seq.prefill_len = seq.num_tokens
-        seq.num_computed_tokens = seq.num_tokens - 1
-        seq.metrics.first_scheduled_time = self.loop.now
-        self.scheduler.running.append(seq)
-        self._kick()
+        return None
 
     def _kick(self) -> None:
-        if self.busy or not self.scheduler.has_unfinished():
-            return
-        now = self.loop.now
-        out = self.scheduler.schedule(now)
-        self.num_preemptions += len(out.preempted)
-        if not out.seqs:   # nothing fits now: a finish, a release or an arrival kicks again
-            return
-        self.busy = True
-        duration = self.step_time(out)
-        self.num_steps += 1
-        self.busy_time += duration
-        self.loop.at(now + duration, self._step_done, out)
+        """Run steps as the engine loop does while the engine has work: one that runs a forward
+        ends later (_step_done); one that runs none but changed the scheduler's state (it
+        preempted, parked a pull, freed a lease) is followed by another at once; otherwise the
+        replica idles until something arrives or a pull ends."""
+        while not self.busy and self.engine.has_unfinished_requests():
+            start, before = self.loop.now, self._state()
+            outputs = self.engine.step()
+            end = self.clock.settle()
+            if end is not None:
+                self.busy = True
+                self.num_steps += 1
+                self.busy_time += end - start
+                self.loop.at(end, self._step_done, outputs)
+                return
+            self._deliver(outputs)
+            if not outputs and self._state() == before:
+                return
 
-    def _step_done(self, out: SchedulerOutput) -> None:
-        now = self.loop.now
-        self.scheduler.mark_computed(out)
-        for seq in out.seqs:
-            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens:
-                continue
-            self._token = (self._token + 1) % self.vocab_size
-            seq.token_ids.append(self._token)
-            m = seq.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.token_times.append(now)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                m.finished_time = now
-                if self.hold_kv:
-                    self.scheduler.running.remove(seq)
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
-                else:
-                    self.scheduler.finish(seq, "length")
-                self.on_finish(self, seq, now)
+    def _state(self) -> tuple:
+        s = self.engine.scheduler
+        return len(s.waiting), len(s.running), len(s.loading), self.engine.block_manager.num_free_blocks
+
+    def _step_done(self, outputs: list[RequestOutput]) -> None:
         self.busy = False
-        self._admit_remote()
+        self._deliver(outputs)
         self._kick()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                self.in_flight -= 1
+                self.num_preemptions += out.metrics.num_preemptions
+                self.on_output(self, out, self.loop.now)

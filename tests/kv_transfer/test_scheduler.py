@@ -81,3 +81,43 @@ def test_a_failed_pull_recomputes_from_what_was_cached_here():
     assert out.seqs == [r] and out.num_tokens == [10] and len(r.block_table) == 3
     s.finish(r, "stop")
     bm.check_all_free()
+
+
+def test_a_preempted_sequence_queues_behind_a_pulled_one():
+    """A pulled request waits for a seat holding its prompt's blocks; a sequence preempted
+    meanwhile cannot fit while it holds them, so it goes behind it, not before (where nothing
+    could ever run again: the simulator found this running the engine)."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = Scheduler(bm, max_num_batched_tokens=32, max_num_seqs=1, connector=FakeConnector())
+    a, r = seq("a", 16), seq("r", 13)
+    r.kv_transfer = True
+    s.add(a)
+    s.add(r)
+    run_step(s)   # a prefills its 4 blocks and samples; r is parked with the other 4: the cache is full
+    s.resume_loaded(r, 12)   # pulled: it waits for the seat a holds
+    out = run_step(s)   # a's decode needs a fifth block: a is preempted, and r is not admitted in that step
+    assert out.preempted == [a] and list(s.waiting) == [r, a]
+    out = run_step(s)
+    assert out.seqs == [r] and out.num_tokens == [1]   # r computes its last prompt token
+    s.finish(r, "stop")
+    out = run_step(s)
+    assert out.seqs == [a] and out.num_tokens == [17]   # then a recomputes
+    s.finish(a, "stop")
+    bm.check_all_free()
+
+
+def test_pulled_requests_take_seats_in_the_order_their_pulls_ended():
+    """Two pulls end while the one seat is taken: the first to end is admitted first (the latest
+    first would leave an early one waiting behind every later pull: the simulator's p99 TTFT of
+    a seat-bound 2P2D run went from 0.95 s to 3.6 s so)."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    s = Scheduler(bm, max_num_batched_tokens=32, max_num_seqs=1, connector=FakeConnector())
+    a, r1, r2 = seq("a", 4), seq("r1", 9), seq("r2", 9)
+    r1.kv_transfer = r2.kv_transfer = True
+    for x in (a, r1, r2):
+        s.add(x)
+    run_step(s)   # a takes the seat; r1 and r2 are parked
+    s.resume_loaded(r1, 8)
+    s.resume_loaded(r2, 8)
+    s.finish(a, "stop")
+    assert run_step(s).seqs == [r1]

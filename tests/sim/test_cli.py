@@ -125,6 +125,8 @@ def test_simulate_fits_several_step_logs(tmp_path, capsys):
     (["--cost-model", "BADJSON"], "not JSON"),
     (["--gpu", "h100", "--prefill-cost-model", "x.json"], "need --prefill-replicas"),
     (["--gpu", "h100", "--router-latency-ms", "-1"], "--router-latency-ms must be >= 0"),
+    (["--gpu", "h100", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     "does not model speculative decoding"),
     (["--gpu", "h100", "--prefill-replicas", "1", "--decode-replicas", "1", "--prefill-cost-model", "x.json",
       "--prefill-step-log", "y.jsonl"], "not both"),
 ])

@@ -4,13 +4,18 @@ import argparse
 import json
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from pdserve.bench.datasets import add_dataset_arguments, make_requests
 from pdserve.bench.client import arrival_offsets
 from pdserve.bench.step_cost import ModelCost, step_cost
+from pdserve.config import ModelConfig
+from pdserve.engine.kv_spec import kv_spec
 from pdserve.engine.cost_model import StepCostModel
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.layers.mla import MLAShape, MultiHeadLatentAttention
 from pdserve.sampling_params import SamplingParams
 from pdserve.sim import search, workload
 from pdserve.sim.cluster import Placement
@@ -29,10 +34,14 @@ def test_attention_keys_closed_form(window):
         assert attention_keys(q, c, window) == sum(min(p + 1, window or c) for p in range(c - q, c))
 
 
-@pytest.mark.parametrize("window", [None, 24])
-def test_datasheet_step_is_step_cost_over_the_roofs(window):
+MLA = MLAShape(num_heads=8, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+               v_head_dim=16)
+
+
+@pytest.mark.parametrize("window, mla", [(None, None), (24, None), (None, MLA)])
+def test_datasheet_step_is_step_cost_over_the_roofs(window, mla):
     import dataclasses
-    cost = dataclasses.replace(COST, sliding_window=window)
+    cost = dataclasses.replace(COST, sliding_window=window, mla=mla, kv_values=mla.latent_dim if mla else 0)
     gpu = GPUS["h100"]
     t = DatasheetStepTime(gpu, cost, mfu=0.5, mbu=0.8, overhead_s=0.002)
     params = SamplingParams(max_tokens=4)
@@ -44,6 +53,38 @@ def test_datasheet_step_is_step_cost_over_the_roofs(window):
     expected = step_cost(cost, [(1, 41), (1, 10), (32, 32), (20, 64)], logit_rows=3)
     want = max(expected.flops / (gpu.peak_flops * 0.5), expected.bytes / (gpu.bandwidth * 0.8)) + 0.002
     assert t(out) == pytest.approx(want, rel=1e-12)
+
+
+def test_mla_counts_the_latent_cache(make_tiny):
+    """DeepSeek-V3's paged cache holds kv_lora_rank + qk_rope_head_dim values a token and layer
+    (32 + 16 in the tiny checkpoint), as the engine sizes its blocks, not K and V per head; the
+    simulator's blocks and K/V transfers follow."""
+    cfg = ModelConfig.from_dir(make_tiny("deepseek_v3"))
+    m = ModelCost.from_config(cfg, itemsize=2)
+    assert m.mla is not None and m.kv_bytes_per_token == cfg.num_layers * (32 + 16) * 2
+    assert m.kv_bytes_per_token == kv_spec(cfg).bytes_per_token(cfg.num_layers, torch.bfloat16)
+    assert m.kv_bytes_per_token < 2 * cfg.num_layers * cfg.num_heads * (16 + 16) * 2   # what full K/V would be
+    # a decode step reads each sequence's latent rows once
+    assert step_cost(m, [(1, 100)], 1).bytes_kv_read == 100 * m.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("q", [1, 7])
+def test_mla_attention_flops_are_the_layers(q):
+    """attention_flops against torch's FLOP count of layers/mla.py itself: the absorbed decode
+    (q = 1) and the expanded prefill (every key's K/V made from its latent), all q x keys pairs
+    (the count takes no mask into account)."""
+    layer = MultiHeadLatentAttention(64, MLA, scale=0.1)
+    keys = 40
+    latents = torch.randn(2, keys, MLA.latent_dim)
+    qn, qp = torch.randn(2, q, 8, 16), torch.randn(2, q, 8, 8)
+    mask = torch.ones(2, 1, q, keys, dtype=torch.bool)
+    with FlopCounterMode(display=False) as counted:
+        if q == 1:
+            layer._absorbed(qn, qp, latents, layer.kv_b_proj.weight.view(8, 32, 32), mask)
+        else:
+            layer._expanded(qn, qp, latents, mask)
+    m = ModelCost(1, 8, 1, 0, 0, 0, 0, 0, None, 4, mla=MLA, kv_values=MLA.latent_dim)
+    assert 2 * m.attention_flops(q, q * keys, keys) == counted.get_total_flops()   # 2 sequences
 
 
 def test_load_cost_model_files(tmp_path):

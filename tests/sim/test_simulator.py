@@ -74,15 +74,15 @@ def test_conservation_under_preemption(placement):
     assert m["completed"] == 12 and m["total_output_tokens"] == sum(5 + i for i in range(12))
     assert sum(r["preemptions"] for r in res.replicas) > 0
     for replica in sim.prefill + sim.decode:
-        assert not replica.scheduler.has_unfinished() and not replica.remote and not replica.loading
-        replica.block_manager.check_all_free()
+        assert not replica.engine.has_unfinished_requests()   # nothing waiting, running, loading or leased
+        replica.engine.block_manager.check_all_free()
 
 
 def test_too_long_requests_are_refused_not_lost():
     reqs = requests((0.0, 10, 5), (0.0, 60, 10), (0.0, 10, 5))
     _, res = simulate(reqs, sp=spec(num_blocks=4, block_size=16))   # 64 tokens of cache
     assert [r.success for r in res.results] == [True, False, True]
-    assert "exceeds 64 tokens" in res.results[1].error
+    assert "exceeds the whole KV cache (64 tokens)" in res.results[1].error   # the engine's own 400
 
 
 def test_max_concurrency_is_a_closed_loop():
