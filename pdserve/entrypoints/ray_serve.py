@@ -16,7 +16,7 @@ from pdserve.engine.args import engine_kwargs
 from pdserve.errors import ConfigError
 from pdserve.kv_transfer import auth
 from pdserve.proxy.pairing import check_described
-from pdserve.proxy.routing import Worker
+from pdserve.proxy.workers import Worker
 from pdserve.ray.ingress import ingress_class
 from pdserve.ray.listen import local_ray_options
 from pdserve.ray.pd_ingress import pd_ingress_class
