@@ -110,8 +110,8 @@ def scale(num_replicas: int) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.backend != "engine":
-        raise ConfigError(f"--ray serves pdserve's engine only, not --backend {args.backend}")
+    if args.baseline != "engine":
+        raise ConfigError(f"--ray serves pdserve's engine only, not --baseline {args.baseline}")
     if not os.path.isdir(args.model):
         raise ConfigError(f"model directory not found: {args.model} (with --ray it must exist at this path on "
                           "every node)")
