@@ -147,7 +147,7 @@ MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", 
 
 def refuse_media(content: Any) -> Any:
     """A content list with an image (audio, video, file) part is a 400 that names it: pdserve serves
-    text prompts only, of vision-language checkpoints too (their text part, models/vlm_text.py)."""
+    text prompts only, of vision-language checkpoints too (their text part, pdserve/vlm_text.py)."""
     for part in content if isinstance(content, list) else []:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in MEDIA_PARTS:
