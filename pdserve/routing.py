@@ -1,6 +1,7 @@
-"""Which replica gets a request: the routing policies, as a plain class that needs neither Ray
-nor HTTP. The Ray app's request router (ray/request_router.py) chooses among engine replicas with
-it, the P/D proxy (proxy/relay.py) among the workers of a role, the simulator among its replicas.
+"""Which replica (or worker) gets a request: the routing policies, as a plain class that needs
+neither Ray nor HTTP. The Ray app's request router (ray/request_router.py) chooses among engine
+replicas with it, the P/D proxy (proxy/workers.py) among the workers of a role, the simulator among
+its replicas.
 
 prefix-aware follows llm-d's approximate mode: the router does not ask replicas what they hold, it
 remembers what it sent where. Each prompt becomes the chained block hashes of the engine's prefix
