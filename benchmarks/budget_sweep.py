@@ -214,7 +214,7 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
 
 def server_for(model_dir: str, budget: int, log_dir: str, cap: int = 0, tag: str = "") -> servers.Server:
     port = servers.free_port()
-    cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--backend", "engine", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--port", str(port),
            "--max-model-len", str(peers.context_len(model_dir)), "--max-num-batched-tokens", str(budget),
            "--max-prefill-tokens-with-decodes", str(cap), "--log-level", "warning"]
     name = f"engine-{point_label(budget, cap)}{tag}"

@@ -1,11 +1,11 @@
-"""Benchmark every pdserve backend and the real peers (vLLM CPU, llama-server) side by side.
+"""Benchmark pdserve (its engine and its baselines) and the real peers (vLLM CPU, llama-server) side by side.
 
 One command: on each model (the bundled tiny default model and a Qwen2.5-0.5B-shaped random
 checkpoint) and each workload, start one system at a time on 127.0.0.1, wait for /health, run
 `pdserve bench` against it, stop it; then write the raw JSON under benchmarks/results/, latency
 CDF plots (`pdserve report`) and docs/BENCHMARKS.md with one table per workload.
 
-    python -m benchmarks.compare --quick                 # tiny model, our backends, ~1 min
+    python -m benchmarks.compare --quick                 # tiny model, our engine and baselines, ~1 min
     python -m benchmarks.compare --quick --peers         # the same with vLLM and llama-server, ~2 min
     python -m benchmarks.compare --model-05b /work/q05   # the full comparison, ~17 min
     python -m benchmarks.compare --dry-run               # the plan, the commands, estimated times
@@ -150,7 +150,7 @@ def server_for(system: str, model_dir: str, name: str, peers_dir: str, log_dir: 
     log_path = os.path.join(log_dir, f"{system}-{name}.log")
     ctx = peers.context_len(model_dir)
     if system in OURS:
-        cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--backend", system,
+        cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--baseline", system,
                "--port", str(port), "--max-model-len", str(ctx), "--log-level", "warning"]
         if system == "static":   # see STATIC_BATCH_WAIT_MS
             cmd += ["--batch-wait-ms", str(STATIC_BATCH_WAIT_MS)]
@@ -302,9 +302,9 @@ def say(msg: str) -> None:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="tiny model, few short requests, our backends only unless --peers (under 3 min)")
+                   help="tiny model, few short requests, ours only unless --peers (under 3 min)")
     p.add_argument("--peers", action="store_true", help="with --quick: include vLLM and llama-server")
-    p.add_argument("--skip-peers", action="store_true", help="our backends only")
+    p.add_argument("--skip-peers", action="store_true", help="ours only (engine and baselines)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of: " + ", ".join(SYSTEMS))
     p.add_argument("--models", default="tiny,0.5b", help="comma-separated subset of: tiny, 0.5b")
     p.add_argument("--workloads", default=None, help="comma-separated subset of: c32, c1, long-short")
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                "loadavg_start": loadavg(), "models": models, "workloads": {}, "runs": [], "plots": {},
                "out_dir": args.out_dir, "summary_path": os.path.join(args.out_dir, "summary.json"),
                "log_dir": log_dir, "server_flags": {
-                   "pdserve": "pdserve serve --model M --backend B --max-model-len L (engine defaults; "
+                   "pdserve": "pdserve serve --model M --baseline B --max-model-len L (engine defaults; "
                               f"static: --batch-wait-ms {STATIC_BATCH_WAIT_MS})",
                    "vllm": "vllm serve M --dtype float32 --max-model-len L, VLLM_CPU_KVCACHE_SPACE=4, "
                            "OMP threads bound to all cores",

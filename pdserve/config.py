@@ -12,8 +12,10 @@ import torch
 
 from pdserve.arg_types import option
 from pdserve.checkpoint_files import checkpoint_file
+from pdserve.config_fields import CONFIG_FIELDS
 from pdserve.errors import CheckpointError, ConfigError
 from pdserve.quantization.config import HubQuantization, read_quantization
+from pdserve.vlm_text import VLM_TEXT, checkpoint_tensor_names, text_raw
 
 
 @dataclass
@@ -57,13 +59,11 @@ class ModelConfig:
                 raw = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-        from pdserve.models import ARCHITECTURES   # here: the models import this module
-        from pdserve.models.vlm_text import VLM_TEXT, checkpoint_tensor_names, text_raw
         text_of = next((a for a in raw.get("architectures") or [] if a in VLM_TEXT), None)
-        if text_of is not None:   # serve its language model (models/vlm_text.py)
+        if text_of is not None:   # serve its language model (pdserve/vlm_text.py)
             raw = text_raw(raw, file, checkpoint_tensor_names(path))
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        arch = next((a for a in archs if a in CONFIG_FIELDS), None)
         if raw.get("auto_map"):
             if arch is None:
                 raise CheckpointError(f"{file}: declares auto_map, i.e. needs its own Python code (trust_remote_code); "
@@ -75,9 +75,9 @@ class ModelConfig:
                                                  "served as the built-in %s", file, arch)
         if arch is None:
             raise CheckpointError(f"{file}: unsupported architecture {archs or 'none given'}; "
-                                  f"supported: {', '.join([*ARCHITECTURES, *VLM_TEXT])}")
+                                  f"supported: {', '.join([*CONFIG_FIELDS, *VLM_TEXT])}")
         try:
-            fields = ARCHITECTURES[arch].config_fields(raw)
+            fields = CONFIG_FIELDS[arch](raw)
         except KeyError as e:
             raise CheckpointError(f"{file}: missing field {e.args[0]!r} for {arch}") from None
         cfg = cls(path, arch, **fields, torch_dtype=raw.get("dtype") or raw.get("torch_dtype"), raw=raw,
@@ -90,10 +90,9 @@ class ModelConfig:
     def from_gguf(cls, path: str, file: str) -> "ModelConfig":
         from pdserve.gguf.config import hf_config
         from pdserve.gguf.reader import open_gguf
-        from pdserve.models import ARCHITECTURES
         raw = hf_config(open_gguf(file))
         arch = raw["architectures"][0]
-        cfg = cls(path, arch, **ARCHITECTURES[arch].config_fields(raw), torch_dtype=raw["dtype"], raw=raw,
+        cfg = cls(path, arch, **CONFIG_FIELDS[arch](raw), torch_dtype=raw["dtype"], raw=raw,
                   gguf_file=file)
         cfg._check(file)
         return cfg

@@ -16,7 +16,7 @@ from pdserve.layers.merged_linear import MergedLinear
 from pdserve.layers.quantized import GroupQuantized, attach_shard, finish_quantized
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models import ARCHITECTURES
-from pdserve.models.vlm_text import text_weight_name
+from pdserve.vlm_text import text_weight_name
 from pdserve.quantization import quantized_tensors
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved

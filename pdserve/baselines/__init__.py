@@ -1,10 +1,9 @@
-"""The origin server's three generation paths, kept as selectable backends to measure against.
+"""The origin server's three generation paths, kept as baselines to measure against (`--baseline`).
 
-Each backend has the engine's interface (add_request, abort_request, step,
-has_unfinished_requests, get_stats, last_step), so the same server, endpoints and metrics run
-on top of any of them."""
-from pdserve.baselines.generate_backend import GenerateBackend
-from pdserve.baselines.nocache_backend import NoCacheBackend
-from pdserve.baselines.static_backend import StaticBackend
+Each baseline is an EngineClient (pdserve/engine/interface.py), so the same server, endpoints and
+metrics run on top of any of them."""
+from pdserve.baselines.generate import GenerateBaseline
+from pdserve.baselines.nocache import NoCacheBaseline
+from pdserve.baselines.static import StaticBaseline
 
-BACKENDS = {"hf": GenerateBackend, "static": StaticBackend, "nocache": NoCacheBackend}
+BASELINES = {"hf": GenerateBaseline, "static": StaticBaseline, "nocache": NoCacheBaseline}

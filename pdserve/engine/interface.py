@@ -21,10 +21,13 @@ if TYPE_CHECKING:   # names only: the server imports this without torch
 
 class EngineClient(Protocol):
     """Called on one thread (the server's engine thread), except where a member says otherwise."""
+    name: str                     # what serves: "engine" (LLMEngine) or a baseline's --baseline
+    config: EngineConfig          # its settings (generation defaults, max_num_seqs, the step budget)
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
     last_step: StepStats | None   # the latest step's counters (None before the first)
+    seqs: dict[str, Sequence]     # the live requests, in arrival order
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
@@ -42,10 +45,8 @@ class EngineClient(Protocol):
 
 @runtime_checkable
 class PagedEngine(EngineClient, Protocol):
-    config: EngineConfig
     computes_prompt_logprobs: bool
     last_schedule: SchedulerOutput | None   # the latest step's per-request tokens (the live view)
-    seqs: dict[str, Sequence]               # the live requests, in arrival order
 
     @property
     def kv_capacity(self) -> int:

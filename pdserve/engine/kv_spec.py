@@ -3,13 +3,12 @@
 The cache is one tensor, (planes, num_layers, num_slots, heads, dim). Most models keep a K and a
 V row per token (2 planes of num_kv_heads x head_dim); multi-head latent attention keeps one
 latent row (1 plane of 1 x (kv_lora_rank + qk_rope_head_dim): layers/mla.py). A model class with
-a kv_spec(cfg) declares its own; the model runner sizes the cache and its blocks by it, so the
-block count for a memory budget, and with it the scheduler's admission, follow the model."""
+a kv_spec(cfg) declares its own (models.kv_spec asks it); the model runner sizes the cache and its
+blocks by it, so the block count for a memory budget, and with it the scheduler's admission, follow the model."""
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -23,12 +22,6 @@ class KVSpec:
 
     def bytes_per_token(self, num_layers: int, dtype: torch.dtype) -> int:
         return self.planes * num_layers * self.heads * self.dim * dtype.itemsize
-
-
-def kv_spec(cfg: ModelConfig) -> KVSpec:
-    from pdserve.models import ARCHITECTURES   # here: the models import the engine's modules
-    own = getattr(ARCHITECTURES.get(cfg.architecture), "kv_spec", None)
-    return own(cfg) if own is not None else KVSpec(planes=2, heads=cfg.num_kv_heads, dim=cfg.head_dim)
 
 
 def bind_kv_cache(model: torch.nn.Module, kv_cache: torch.Tensor, attention_types: tuple) -> None:

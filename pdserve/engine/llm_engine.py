@@ -36,6 +36,7 @@ IDLE_WAIT_S = 0.01
 
 class LLMEngine:
     """A PagedEngine (engine/interface.py says what its users may call)."""
+    name = "engine"
     computes_prompt_logprobs = True   # SamplingParams.prompt_logprobs (the server asks before it admits)
 
     def __init__(self, model: str, **kwargs):

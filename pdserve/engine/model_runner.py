@@ -15,13 +15,14 @@ from pdserve.backends import select_backend
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.grammar import forced_tokens
-from pdserve.engine.kv_spec import bind_kv_cache, kv_spec
+from pdserve.engine.kv_spec import bind_kv_cache
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv_transfer.shm import shared_kv_cache
 from pdserve.layers.attention import PagedAttention
 from pdserve.layers.mla import MultiHeadLatentAttention
 from pdserve.engine.sampler import Sampler
 from pdserve.loader import load_model
+from pdserve.models import kv_spec
 from pdserve.spec_decode import rejection
 
 DEFAULT_KV_CACHE_CAP = 4 << 30  # bytes, when neither --num-kv-blocks nor --kv-cache-memory is given

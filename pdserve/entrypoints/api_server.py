@@ -12,6 +12,7 @@ import signal
 import uvicorn
 
 from pdserve.engine.args import check_engine_args, engine_kwargs
+from pdserve.engine.interface import paged
 from pdserve.entrypoints.network import bind
 from pdserve.server.config import ServerConfig
 
@@ -45,16 +46,16 @@ class _Server(uvicorn.Server):
 
 
 def build_engine(args: argparse.Namespace):
-    """The backend, built on the thread that will step it (async_engine.EngineThread says why)."""
+    """The engine (or a baseline), built on the thread that will step it (async_engine.EngineThread says why)."""
     from pdserve.engine.llm_engine import LLMEngine   # heavy (torch): only when serving
     from pdserve.server.async_engine import EngineThread
 
-    if args.backend == "engine":
+    if args.baseline == "engine":
         cls, extra = LLMEngine, {}
     else:
-        from pdserve.baselines import BACKENDS
-        cls = BACKENDS[args.backend]
-        extra = dict(batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms) if args.backend == "static" else {}
+        from pdserve.baselines import BASELINES
+        cls = BASELINES[args.baseline]
+        extra = dict(batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms) if args.baseline == "static" else {}
     thread = EngineThread()
     return thread.call(cls, **engine_kwargs(args), **extra), thread
 
@@ -64,9 +65,9 @@ def capacity(engine, args: argparse.Namespace) -> str:
     import resource
 
     import torch
-    runner = getattr(engine, "runner", None)
-    if runner is None:   # a baseline backend
-        return f"backend {args.backend}, max_model_len {engine.max_model_len}"
+    if paged(engine) is None:   # a baseline
+        return f"baseline {args.baseline}, max_model_len {engine.max_model_len}"
+    runner = engine.runner   # the LLMEngine build_engine made
     tokens = runner.num_blocks * runner.block_size
     if runner.device.type == "cuda":
         memory = f"{torch.cuda.memory_allocated(runner.device) / 2**30:.2f} GiB on the GPU"

@@ -170,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "role", "both") != "both":
         raise ConfigError(f"--role {args.role} cannot be combined with --disaggregate, which starts one worker "
                           "of each role")
-    if args.backend != "engine":
-        raise ConfigError(f"--disaggregate needs --backend engine (the paged KV cache), not {args.backend}")
+    if args.baseline != "engine":
+        raise ConfigError(f"--disaggregate needs pdserve's engine (the paged KV cache), not --baseline {args.baseline}")
     if args.threads is not None:
         raise ConfigError("--threads cannot be combined with --disaggregate: each worker runs one thread per core "
                           "of its --prefill-cores / --decode-cores")

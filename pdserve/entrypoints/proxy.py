@@ -14,7 +14,9 @@ from pdserve.kv_transfer import auth
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.pairing import check_pairing
 from pdserve.proxy.relay import Proxy
-from pdserve.proxy.routing import ROUTINGS, Router, Worker, worker_url
+from pdserve.proxy.workers import Pool, Worker, worker_url
+from pdserve.routing import POLICIES, PromptHasher, Router
+from pdserve.tokenizer import Tokenizer
 from pdserve.arg_types import seconds
 from pdserve.entrypoints.network import bind
 from pdserve.server.config import add_server_args, allowed_hosts
@@ -26,9 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prefill workers (`pdserve serve --role prefill`), e.g. http://127.0.0.1:8100")
     w.add_argument("--decode", nargs="+", required=True, metavar="URL",
                    help="decode workers (`pdserve serve --role decode`)")
-    w.add_argument("--routing", choices=ROUTINGS, default="round-robin",
-                   help="which worker of a role gets a request: in turn, or the one with the fewest requests "
-                        "in flight at this proxy (default: %(default)s)")
+    w.add_argument("--routing", choices=POLICIES, default="round-robin",
+                   help="which worker of a role gets a request: in turn, the one with the fewest requests in "
+                        "flight at this proxy, or (prefix-aware, needs --tokenizer) the prefill worker that was "
+                        "sent most of the prompt's leading KV blocks, the decode worker least-loaded "
+                        "(default: %(default)s)")
+    w.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the workers' checkpoint directory: --routing prefix-aware renders each prompt with its "
+                        "tokenizer and chat template, as the workers do")
     w.add_argument("--connect-timeout", type=seconds, default=5.0, metavar="SECONDS",
                    help="a worker that does not accept a connection within this is unavailable: 503 "
                         "(default: %(default)s)")
@@ -51,11 +58,16 @@ def build(args: argparse.Namespace):
         decode = [Worker(worker_url(u), "decode") for u in args.decode]
     except ValueError as e:
         raise ConfigError(f"--prefill/--decode: {e}") from None
+    prefix = args.routing == "prefix-aware"
+    if prefix and args.tokenizer is None:
+        raise ConfigError("--routing prefix-aware needs --tokenizer DIR (the workers' checkpoint directory)")
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     pairing = check_pairing(prefill, decode, headers, timeout=args.connect_timeout)
-    proxy = Proxy(Router(prefill, args.routing), Router(decode, args.routing),
-                  ProxyMetrics(pairing.model, prefill + decode), args.read_timeout, args.api_key or None,
-                  auth.secret_from(args.kv_transfer_secret))
+    hasher = PromptHasher(Tokenizer.from_dir(args.tokenizer), pairing.block_size) if prefix else None
+    # the prompt's cached blocks live where it was prefilled; a decode worker only needs room
+    pools = Pool(prefill, Router(args.routing)), Pool(decode, Router("least-loaded" if prefix else args.routing))
+    proxy = Proxy(*pools, ProxyMetrics(pairing.model, pools), args.read_timeout, args.api_key or None,
+                  auth.secret_from(args.kv_transfer_secret), hasher)
     app = build_app(proxy, connect_timeout=args.connect_timeout, max_body_bytes=args.max_body_bytes,
                     allowed_hosts=allowed_hosts(args.host, args.allowed_hosts), max_connections=args.max_connections)
     return app, pairing

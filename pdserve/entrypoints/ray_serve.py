@@ -16,7 +16,7 @@ from pdserve.engine.args import engine_kwargs
 from pdserve.errors import ConfigError
 from pdserve.kv_transfer import auth
 from pdserve.proxy.pairing import check_described
-from pdserve.proxy.routing import Worker
+from pdserve.proxy.workers import Worker
 from pdserve.ray.ingress import ingress_class
 from pdserve.ray.listen import local_ray_options
 from pdserve.ray.pd_ingress import pd_ingress_class
@@ -110,8 +110,8 @@ def scale(num_replicas: int) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.backend != "engine":
-        raise ConfigError(f"--ray serves pdserve's engine only, not --backend {args.backend}")
+    if args.baseline != "engine":
+        raise ConfigError(f"--ray serves pdserve's engine only, not --baseline {args.baseline}")
     if not os.path.isdir(args.model):
         raise ConfigError(f"model directory not found: {args.model} (with --ray it must exist at this path on "
                           "every node)")

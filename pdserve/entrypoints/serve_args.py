@@ -13,14 +13,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", nargs="?", metavar="MODEL",
                         help="HF-format checkpoint directory or GGUF file, as vLLM takes it (the same as --model)")
     add_engine_args(parser)
-    b = parser.add_argument_group("backend (docs/BACKENDS.md)")
-    b.add_argument("--backend", default="engine", choices=["engine", "hf", "static", "nocache"],
+    b = parser.add_argument_group("baselines (docs/BASELINES.md)")
+    b.add_argument("--baseline", "--backend", dest="baseline", default="engine",
+                   choices=["engine", "hf", "static", "nocache"],
                    help="engine: continuous batching over the paged KV cache (default); the origin's paths as "
                         "baselines: hf = one transformers generate() per request, static = static batches "
-                        "of --batch-size, nocache = a token loop re-running the whole sequence without a KV cache")
-    b.add_argument("--batch-size", type=int_at_least(1), default=4, help="static backend: requests per batch (default: 4)")
+                        "of --batch-size, nocache = a token loop re-running the whole sequence without a KV cache "
+                        "(--backend: its earlier name)")
+    b.add_argument("--batch-size", type=int_at_least(1), default=4, help="static baseline: requests per batch (default: 4)")
     b.add_argument("--batch-wait-ms", type=number_at_least(0), default=0.0,
-                   help="static backend: longest wait for a batch to fill (default: 0)")
+                   help="static baseline: longest wait for a batch to fill (default: 0)")
     add_server_args(parser)
     r = parser.add_argument_group("Ray Serve (docs/RAY.md; needs the ray extra)")
     r.add_argument("--ray", action="store_true",

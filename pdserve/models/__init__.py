@@ -1,6 +1,9 @@
-"""The architectures pdserve runs. Each class reads its family's config.json (config_fields) and
+"""The architectures pdserve runs. Each class builds its family's model from a ModelConfig and
 names its input embedding (embed_module); this dict is the whole plugin system: a new Llama-like
-family is one more entry."""
+family is one more entry here, and one in pdserve/config_fields.py (what its config.json's keys
+mean, read before any model class is)."""
+from pdserve.config import ModelConfig
+from pdserve.engine.kv_spec import KVSpec
 from pdserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pdserve.models.gpt_oss import GptOssForCausalLM
@@ -37,3 +40,10 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
 }
+
+
+def kv_spec(cfg: ModelConfig) -> KVSpec:
+    """What one token leaves in one layer's KV cache: the family's own kv_spec(cfg) where it declares
+    one (MLA's latent), else a K and a V row of num_kv_heads x head_dim."""
+    own = getattr(ARCHITECTURES.get(cfg.architecture), "kv_spec", None)
+    return own(cfg) if own is not None else KVSpec(planes=2, heads=cfg.num_kv_heads, dim=cfg.head_dim)

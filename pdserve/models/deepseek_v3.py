@@ -105,18 +105,6 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
     why_no_decoder_spec = ("multi-head latent attention and mixture-of-experts MLPs, which the decoder stack's "
                            "recipe has no part for")
 
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        """transformers' defaults where config.json says nothing; head_dim is the rotated part of a
-        head (qk_rope_head_dim), as transformers sets it: the size RoPE's tables are made for."""
-        heads = raw.get("num_attention_heads", 128)
-        return dict(vocab_size=raw.get("vocab_size", 129280), hidden_size=raw.get("hidden_size", 7168),
-                    num_layers=raw.get("num_hidden_layers", 61), num_heads=heads,
-                    num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=raw.get("qk_rope_head_dim", 64),
-                    intermediate_size=raw.get("intermediate_size", 18432),
-                    max_position_embeddings=raw.get("max_position_embeddings", 4096),
-                    tie_word_embeddings=raw.get("tie_word_embeddings", False))
-
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:
         return swiglu_variant(cfg, (None,) * cfg.num_layers)   # no sliding windows

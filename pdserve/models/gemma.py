@@ -15,7 +15,7 @@ The Llama decoder with Gemma's differences, all read from config.json as transfo
 The embedding is always tied to the lm_head in Gemma checkpoints (tie_word_embeddings defaults to true).
 
 Gemma3ForConditionalGeneration (4B and up: a vision tower beside the text model) is served as this
-text model, its vision tower never read (models/vlm_text.py)."""
+text model, its vision tower never read (pdserve/vlm_text.py)."""
 import os
 
 import torch
@@ -132,14 +132,6 @@ class Gemma2ForCausalLM(nn.Module):
     final_softcap_default = 30.0      # transformers' Gemma2Config defaults
     attn_softcap_default = 50.0
 
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        """Llama's fields, with Gemma's defaults where config.json leaves a key out."""
-        return LlamaForCausalLM.config_fields(raw) | dict(
-            num_kv_heads=raw.get("num_key_value_heads") or 4, head_dim=raw.get("head_dim") or 256,
-            max_position_embeddings=raw.get("max_position_embeddings", 8192),
-            tie_word_embeddings=raw.get("tie_word_embeddings", True))
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         raw = cfg.raw
@@ -217,11 +209,6 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
     final_softcap_default = None      # transformers' Gemma3TextConfig defaults
     attn_softcap_default = None
-
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        return Gemma2ForCausalLM.config_fields(raw) | dict(
-            max_position_embeddings=raw.get("max_position_embeddings", 131072))
 
     def layer_types(self, cfg: ModelConfig) -> list[str]:
         """config.json's layer_types, else one global layer in sliding_window_pattern (default 6)."""

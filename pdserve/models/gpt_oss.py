@@ -23,7 +23,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.layers.attention import PagedAttention
 from pdserve.layers.moe import FusedMoE
-from pdserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaVariant, llama_variant
+from pdserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaVariant, llama_variant
 from pdserve.models.llama import refuse, windows_of
 from pdserve.models.moe_llama import MoEForCausalLM, num_experts_of
 
@@ -89,15 +89,6 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
 
 class GptOssForCausalLM(MoEForCausalLM):
     layer_class = GptOssDecoderLayer
-
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        # transformers' GptOssConfig defaults, where config.json gives none
-        if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):
-            raw["rope_theta"] = 150000.0
-        fields = LlamaForCausalLM.config_fields(raw)
-        return dict(fields, head_dim=raw.get("head_dim") or 64,
-                    max_position_embeddings=raw.get("max_position_embeddings", 131072))
 
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:

@@ -3,9 +3,9 @@ Mistral (sliding window).
 
 RMSNorm, RoPE, SwiGLU, grouped-query attention. Module names mirror the HF checkpoints so that
 loading is a name match, except q/k/v and gate/up: each is one MergedLinear, filled shard by shard
-(`stacked_params`). A Llama-like family is a subclass (another `norm_class`, its own
-config_fields, its `variant_of(cfg)`: how its layers differ from Llama's, read from its config.json)
-and one entry in models/__init__.py: decoder_spec() tells the backends what its layers compute.
+(`stacked_params`). A Llama-like family is a subclass (another `norm_class`, its
+`variant_of(cfg)`: how its layers differ from Llama's, read from its config.json)
+and one entry in models/__init__.py (its config.json's sizes: pdserve/config_fields.py): decoder_spec() tells the backends what its layers compute.
 Qwen3, OLMo 2, Granite, SmolLM3 and Ministral are such subclasses, each in its own file."""
 import os
 from dataclasses import dataclass
@@ -192,16 +192,6 @@ class LlamaForCausalLM(nn.Module):
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:
         """How this family's layers differ from Llama's (a config it cannot serve exactly: CheckpointError)."""
         return llama_variant(cfg)
-
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        """ModelConfig's sizes from this family's config.json (a missing required key raises KeyError)."""
-        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-        return dict(vocab_size=raw["vocab_size"], hidden_size=hidden, num_layers=raw["num_hidden_layers"],
-                    num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
-                    head_dim=raw.get("head_dim") or hidden // heads, intermediate_size=raw["intermediate_size"],
-                    max_position_embeddings=raw.get("max_position_embeddings", 2048),
-                    tie_word_embeddings=raw.get("tie_word_embeddings", False))
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

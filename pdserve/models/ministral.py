@@ -5,7 +5,7 @@ llama_4_scaling_beta), one sliding window (or none) for every layer.
 
 The Hub ships Ministral 3 and Mistral 3 as Mistral3ForConditionalGeneration (a Pixtral vision
 tower, a projector and this text model under model.language_model, its config.json's text_config):
-pdserve serves its text part (models/vlm_text.py)."""
+pdserve serves its text part (pdserve/vlm_text.py)."""
 from dataclasses import replace
 
 from pdserve.config import ModelConfig
@@ -13,11 +13,6 @@ from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, refuse, swiglu_
 
 
 class MinistralForCausalLM(LlamaForCausalLM):
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        fields = LlamaForCausalLM.config_fields(raw)
-        return dict(fields, max_position_embeddings=raw.get("max_position_embeddings", 4096 * 32))
-
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:
         # no q/k/v bias whatever attention_bias says; a window of 4096 where config.json has no
@@ -28,16 +23,6 @@ class MinistralForCausalLM(LlamaForCausalLM):
 
 
 class Ministral3ForCausalLM(LlamaForCausalLM):
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        fields = LlamaForCausalLM.config_fields(raw)
-        # transformers' defaults differ from pdserve's (a yarn RoPE among them): a config.json
-        # without its RoPE parameters is refused as missing them, never served with plain RoPE
-        if not (raw.get("rope_parameters") or raw.get("rope_scaling")):
-            raise KeyError("rope_parameters")
-        return dict(fields, head_dim=raw.get("head_dim") or 128,
-                    max_position_embeddings=raw.get("max_position_embeddings", 262144))
-
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:
         params = cfg.raw.get("rope_parameters") or cfg.raw.get("rope_scaling")

@@ -8,7 +8,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.moe import SparseMoeBlock
-from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, swiglu_variant, windows_of
+from pdserve.models.llama import LlamaVariant, swiglu_variant, windows_of
 from pdserve.models.moe_llama import MoEDecoderLayer, MoEForCausalLM, num_experts_of, routing_of
 
 
@@ -30,14 +30,6 @@ class MixtralDecoderLayer(MoEDecoderLayer):
 class MixtralForCausalLM(MoEForCausalLM):
     layer_class = MixtralDecoderLayer
     expert_names = ("w1", "w3", "w2")
-
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        # transformers' Mixtral default base, where config.json gives none (rope_parameters' own wins)
-        if "rope_theta" not in raw:
-            raw["rope_theta"] = 1e6
-        fields = LlamaForCausalLM.config_fields(raw)
-        return dict(fields, max_position_embeddings=raw.get("max_position_embeddings", 4096 * 32))
 
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:

@@ -100,15 +100,6 @@ class OPTForCausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}  # see llama.py
     embed_module = "model.decoder.embed_tokens"
 
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        """ModelConfig's sizes from OPT's config.json: no grouped KV heads, the MLP width is ffn_dim."""
-        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-        return dict(vocab_size=raw["vocab_size"], hidden_size=hidden, num_layers=raw["num_hidden_layers"],
-                    num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, intermediate_size=raw["ffn_dim"],
-                    max_position_embeddings=raw["max_position_embeddings"],
-                    tie_word_embeddings=raw.get("tie_word_embeddings", True))
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.model = OPTModel(cfg)

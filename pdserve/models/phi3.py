@@ -21,11 +21,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     # requires them as it requires any parameter
     stacked_params = {"qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None)}
 
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        return LlamaForCausalLM.config_fields(raw) | dict(max_position_embeddings=raw.get("max_position_embeddings",
-                                                                                          4096))
-
     def __init__(self, cfg: ModelConfig):
         raw, file = cfg.raw, os.path.join(cfg.path, "config.json")
         if raw.get("hidden_act", "silu") != "silu":

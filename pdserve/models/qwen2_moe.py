@@ -11,7 +11,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.moe import SparseMoeBlock
-from pdserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant, refuse, swiglu_variant, windows_of
+from pdserve.models.llama import LlamaMLP, LlamaVariant, refuse, swiglu_variant, windows_of
 from pdserve.models.moe_llama import MoEDecoderLayer, MoEForCausalLM, num_experts_of, non_negative_int, routing_of, sparse_layers
 
 
@@ -41,11 +41,6 @@ class Qwen2MoeDecoderLayer(MoEDecoderLayer):
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
     layer_class = Qwen2MoeDecoderLayer
-
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        fields = LlamaForCausalLM.config_fields(raw)   # transformers' defaults where config.json says nothing
-        return dict(fields, max_position_embeddings=raw.get("max_position_embeddings", 32768))
 
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:

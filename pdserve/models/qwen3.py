@@ -7,13 +7,6 @@ from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, swiglu_variant,
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        fields = LlamaForCausalLM.config_fields(raw)
-        # transformers' defaults where config.json says nothing
-        return dict(fields, head_dim=raw.get("head_dim") or 128,
-                    max_position_embeddings=raw.get("max_position_embeddings", 32768))
-
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:
         # Qwen2's window rule (config.py), each type checked here

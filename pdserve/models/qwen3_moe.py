@@ -11,7 +11,6 @@ from pdserve.config import ModelConfig
 from pdserve.layers.moe import SparseMoeBlock
 from pdserve.models.llama import LlamaMLP, LlamaVariant, swiglu_variant, windows_of
 from pdserve.models.moe_llama import MoEDecoderLayer, MoEForCausalLM, num_experts_of, non_negative_int, routing_of, sparse_layers
-from pdserve.models.qwen2_moe import Qwen2MoeForCausalLM
 
 
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):
@@ -26,8 +25,6 @@ class Qwen3MoeDecoderLayer(MoEDecoderLayer):
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):
     layer_class = Qwen3MoeDecoderLayer
-
-    config_fields = staticmethod(Qwen2MoeForCausalLM.config_fields)   # the same defaults
 
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:

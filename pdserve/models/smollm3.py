@@ -8,13 +8,6 @@ from pdserve.models.llama import LlamaForCausalLM, LlamaVariant, refuse, swiglu_
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
-    @staticmethod
-    def config_fields(raw: dict) -> dict:
-        fields = LlamaForCausalLM.config_fields(raw)
-        # transformers' defaults where config.json says nothing
-        return dict(fields, max_position_embeddings=raw.get("max_position_embeddings", 32768),
-                    tie_word_embeddings=raw.get("tie_word_embeddings", True))
-
     @classmethod
     def variant_of(cls, cfg: ModelConfig) -> LlamaVariant:
         raw, L = cfg.raw, cfg.num_layers

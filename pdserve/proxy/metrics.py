@@ -2,7 +2,7 @@
 each phase as the proxy sees it, and the requests in flight on each worker."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdserve.proxy.routing import Worker
+from pdserve.proxy.workers import Pool
 from pdserve.server.metrics import LATENCY_BUCKETS, REQUEST_BUCKETS
 
 # How a request through the proxy ended (docs/API.md, "Disaggregated serving").
@@ -10,7 +10,7 @@ OUTCOMES = ("success", "client_error", "worker_error", "unavailable", "timeout",
 
 
 class ProxyMetrics:
-    def __init__(self, model_name: str, workers: list[Worker]):
+    def __init__(self, model_name: str, pools: list[Pool]):
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
 
@@ -30,8 +30,9 @@ class ProxyMetrics:
                         REQUEST_BUCKETS)
         in_flight = Gauge("pdserve:proxy_worker_in_flight", "Requests this proxy has in flight on each worker.",
                           ["model_name", "role", "worker"], registry=r)
-        for w in workers:   # read at each scrape
-            in_flight.labels(model_name, w.role, w.url).set_function(lambda w=w: w.in_flight)
+        for pool in pools:   # read at each scrape
+            for w in pool.workers:
+                in_flight.labels(model_name, w.role, w.url).set_function(lambda p=pool, w=w: p.in_flight(w))
 
     def outcome(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(self.model_name, endpoint, outcome).inc()

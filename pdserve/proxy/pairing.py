@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import httpx
 
 from pdserve.errors import ConfigError
-from pdserve.proxy.routing import Worker
+from pdserve.proxy.workers import Worker
 
 MUST_AGREE = ("model", "block_size", "dtype")
 

@@ -25,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pdserve.kv_transfer import auth, tcp
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.routing import Router, Worker
+from pdserve.proxy.workers import Pool, Worker
 from pdserve.server.errors import APIError, error_body, error_response
 from pdserve.server.streaming import DONE, sse
 
@@ -134,9 +134,10 @@ def _is_token_event(event: bytes) -> bool:
 
 
 class Proxy:
-    def __init__(self, prefill: Router, decode: Router, metrics: ProxyMetrics, read_timeout: float,
-                 api_key: str | None = None, kv_secret: str | None = None):
+    def __init__(self, prefill: Pool, decode: Pool, metrics: ProxyMetrics, read_timeout: float,
+                 api_key: str | None = None, kv_secret: str | None = None, hasher=None):
         self.prefill, self.decode, self.metrics = prefill, decode, metrics
+        self.hasher = hasher   # a routing.PromptHasher: the prefill worker is chosen by the prompt's prefix
         self.read_timeout, self.api_key = read_timeout, api_key
         self.kv_secret = kv_secret   # to release the leases of decode calls that did not go through
         if kv_secret is None:
@@ -161,10 +162,11 @@ class Proxy:
         except httpx.HTTPError as e:
             raise failure(worker, e, self.read_timeout) from None
 
-    def _prefill(self, path: str, headers: dict):
-        """The prefill call for prefill_then_decode: the prompt's KV, held by a prefill worker."""
+    def _prefill(self, path: str, headers: dict, hashes: list[int]):
+        """The prefill call for prefill_then_decode: the prompt's KV, held by a prefill worker
+        (the one that holds most of its prefix, with prefix-aware routing)."""
         async def call(body: dict) -> tuple[bytes, Worker]:
-            worker = self.prefill.choose()
+            worker = self.prefill.choose(hashes)
             t0 = time.perf_counter()
             with self.prefill.busy(worker):
                 r = await self._post(worker, path, body, headers)
@@ -176,9 +178,11 @@ class Proxy:
 
     async def _two_calls(self, path: str, body: dict, headers: dict, decode) -> Response:
         """prefill_then_decode with the decode worker chosen first: decode(worker, body)."""
+        # the prompt is rendered off the event loop (a long chat template takes a while)
+        hashes = [] if self.hasher is None else await asyncio.to_thread(self.hasher, path, body)
         worker = self.decode.choose()
-        return await prefill_then_decode(path, body, self._prefill(path, headers), lambda b: decode(worker, b),
-                                         worker.engine_id, self.kv_secret)
+        return await prefill_then_decode(path, body, self._prefill(path, headers, hashes),
+                                         lambda b: decode(worker, b), worker.engine_id, self.kv_secret)
 
     async def complete(self, path: str, body: dict, headers: dict, arrival: float) -> Response:
         async def decode(worker: Worker, body: dict) -> Response:
@@ -191,14 +195,14 @@ class Proxy:
 
     async def stream(self, path: str, body: dict, headers: dict, arrival: float, endpoint: str) -> Response:
         async def decode(worker: Worker, body: dict) -> Response:
-            worker.in_flight += 1
+            self.decode.router.sent(worker)
             t0 = time.perf_counter()
             try:
                 request = self.client.build_request("POST", worker.url + path, headers=headers,
                                                     content=json.dumps(body))
                 upstream = await self.client.send(request, stream=True)
             except BaseException as e:
-                worker.in_flight -= 1
+                self.decode.router.completed(worker)
                 if isinstance(e, httpx.HTTPError):
                     raise failure(worker, e, self.read_timeout) from None
                 raise
@@ -209,7 +213,7 @@ class Proxy:
                     raise failure(worker, e, self.read_timeout) from None
                 finally:
                     await upstream.aclose()
-                    worker.in_flight -= 1
+                    self.decode.router.completed(worker)
                 raise Refused.of(upstream)
             return RelayedStream(self, worker, upstream, endpoint, arrival, t0)
         return await self._two_calls(path, body, headers, decode)
@@ -286,7 +290,7 @@ class RelayedStream(StreamingResponse):
         if self._closed:
             return
         self._closed = True
-        self.worker.in_flight -= 1
+        self.proxy.decode.router.completed(self.worker)
         try:
             await self.upstream.aclose()
         finally:

@@ -1,9 +1,9 @@
 """The one HTTP endpoint in front of the engine replicas: it forwards every request, as it came, to
 a replica through a Serve DeploymentHandle, and streams the replica's response back.
 
-For the completions and chat endpoints it first computes the prompt's block hashes (the same
-tokenizer and chat template as the replicas) for the KV-aware request router; anything it cannot
-read is forwarded with no hashes and gets the replica's own 400. A replica that dies before the
+For the completions and chat endpoints it first computes the prompt's block hashes for the KV-aware
+request router, rendered as the replicas' server renders the prompt (routing.PromptHasher);
+anything it cannot read is forwarded with no hashes and gets the replica's own 400. A replica that dies before the
 response began is a 503 `replica_failed`, or, with retry_failed, the request is sent again (another
 replica gets it: Serve drops the dead one); one that dies mid-stream ends the stream with an error
 event, as the server's own failures do."""
@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from pdserve.proxy.relay import WorkerFailure
-from pdserve.ray.routing import prompt_block_hashes
+from pdserve.routing import PromptHasher
 from pdserve.server.streaming import DONE
 
 log = logging.getLogger("pdserve.ray")
@@ -32,8 +32,7 @@ class Ingress:
     def __init__(self, engines, model: str, block_size: int, retry_failed: bool = False, max_attempts: int = 3):
         from pdserve.tokenizer import Tokenizer
         self.engines = engines   # DeploymentHandle of the EngineReplica deployment
-        self.tokenizer = Tokenizer.from_dir(model)
-        self.block_size = block_size
+        self.hasher = PromptHasher(Tokenizer.from_dir(model), block_size)
         self.retry_failed = retry_failed
         self.max_attempts = max_attempts
 
@@ -42,17 +41,8 @@ class Ingress:
         if path not in ROUTED:
             return []
         try:
-            req = json.loads(body)
-            if path == "/v1/chat/completions":
-                extra = {"tools": req["tools"]} if req.get("tools") else {}
-                ids = self.tokenizer.encode_chat(req["messages"], add_generation_prompt=True, **extra)
-            else:
-                prompt = req["prompt"]
-                if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                    prompt = prompt[0]   # a batch: routed by its first prompt
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            return prompt_block_hashes(ids, self.block_size, req.get("cache_salt"))
-        except Exception:   # malformed: the replica answers it with the precise 400
+            return self.hasher(path, json.loads(body))
+        except ValueError:   # not JSON: the replica answers it with the precise 400
             return []
 
     async def forward(self, request: Request):

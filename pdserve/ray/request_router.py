@@ -1,4 +1,4 @@
-"""routing.Router inside Ray Serve: the request router of the engine deployment's handle.
+"""pdserve/routing.py's Router inside Ray Serve: the request router of the engine deployment's handle.
 
 Serve calls choose_replicas for every request sent through a DeploymentHandle (here: from the
 ingress). The ingress passes the prompt's block hashes as the `block_hashes` keyword argument, so
@@ -7,7 +7,7 @@ nothing is tokenized twice. Each replica reports its KV cache size in its routin
 (max_ongoing_requests), Serve backs off and asks again."""
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pdserve.ray.routing import Router
+from pdserve.routing import Router
 
 
 class KVAwareRequestRouter(RequestRouter):

@@ -36,14 +36,12 @@ class ServerState(Limits):
         self.step_events = StepEvents()
         self.async_engine = AsyncEngine(engine, config.max_waiting, self.metrics, config.request_timeout,
                                         engine_thread, self.step_events)
-        # generation_config.json's sampling defaults (--generation-config); a test's stand-in engine has none
-        engine_config = getattr(engine, "config", None)
-        generation = engine_config.generation_defaults() if hasattr(engine_config, "generation_defaults") else None
+        generation = engine.config.generation_defaults()   # generation_config.json's (--generation-config)
         max_len = engine.max_model_len
         super().__init__(config, max_len, max_len if self.paged is None else min(max_len, self.paged.kv_capacity),
                          self.async_engine.max_num_seqs, self.async_engine.has_room, generation,
-                         getattr(self.tokenizer, "max_token_chars", 1 << 20),
-                         self.paged is not None and self.paged.computes_prompt_logprobs, getattr(engine, "name", ""))
+                         self.tokenizer.max_token_chars,
+                         self.paged is not None and self.paged.computes_prompt_logprobs, engine.name)
         self.created = int(time.time())
         # --reasoning-parser, checked against this tokenizer (ConfigError: its tags are not tokens)
         self.reasoning = reasoning.build(config.reasoning_parser, self.tokenizer)

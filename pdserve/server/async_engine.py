@@ -175,7 +175,7 @@ class AsyncEngine:
         self._num_posted = 0
         self._num_engine_waiting = 0
         self._num_engine_running = 0
-        self.max_num_seqs = _max_num_seqs(engine)
+        self.max_num_seqs = engine.config.max_num_seqs
         self._paged = paged(engine)
         self._subs: dict[str, Submission] = {}   # request id -> its Submission; loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -357,10 +357,6 @@ class AsyncEngine:
                 _resolve(command[-1], error)
 
 
-def _max_num_seqs(engine) -> int:
-    """The engine's seats (LLMEngine keeps them in its config; the baselines and test fakes as an attribute)."""
-    seats = getattr(engine, "max_num_seqs", None) or getattr(getattr(engine, "config", None), "max_num_seqs", None)
-    return seats or 0
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None, result=None) -> None:

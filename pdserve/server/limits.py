@@ -29,7 +29,7 @@ class Limits:
     generation: GenerationDefaults | None = None   # generation_config.json's (--generation-config)
     max_token_chars: int = 1 << 20          # the longest text one token can be (Tokenizer.max_token_chars)
     computes_prompt_logprobs: bool = False
-    engine_name: str = ""                   # a baseline's --backend, for the refusals that name it
+    engine_name: str = ""                   # a baseline's --baseline, for the refusals that name it
 
     def __post_init__(self):
         if self.generation is None:
@@ -98,7 +98,7 @@ class Limits:
         self.check_logprobs(k, param)
         if not self.computes_prompt_logprobs:
             raise RequestError(f"prompt logprobs are not computed by the {self.engine_name or 'this'} "
-                               "backend", param=param)
+                               "baseline", param=param)
 
     def check_prompt_cost(self, num_seqs: int, max_tokens: int, logprobs: int | None, prompts: list[list[int]],
                           n: int, k: int | None, param: str) -> None:

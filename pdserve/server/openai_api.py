@@ -336,10 +336,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                "answer (required or a named function)", param=grammar.param)
         grammar = tools.grammar
     await check_grammar(s.engine, grammar)
-    extra = reasoning.check_template_kwargs(body.chat_template_kwargs)
-    if tools.tools:
-        extra["tools"] = tools.tools
-    messages = [tool_calls.template_message(m.as_template_dict()) for m in body.messages]
+    messages, extra = body.template_input(tools.tools)
     prompt = await s.encode_chat(messages, add_generation_prompt=True, **extra)
     if not prompt:
         raise RequestError("messages render to an empty prompt", param="messages")

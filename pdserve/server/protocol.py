@@ -14,7 +14,8 @@ from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.objectives import RequestObjectives
 
 from pdserve.server.structured import StructuredFields
-from pdserve.server.tool_calls import ToolFields
+from pdserve.server.reasoning import check_template_kwargs
+from pdserve.server.tool_calls import ToolFields, template_message
 
 
 class _Strict(BaseModel):
@@ -146,7 +147,7 @@ MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", 
 
 def refuse_media(content: Any) -> Any:
     """A content list with an image (audio, video, file) part is a 400 that names it: pdserve serves
-    text prompts only, of vision-language checkpoints too (their text part, models/vlm_text.py)."""
+    text prompts only, of vision-language checkpoints too (their text part, pdserve/vlm_text.py)."""
     for part in content if isinstance(content, list) else []:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in MEDIA_PARTS:
@@ -192,6 +193,16 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     # variables for the chat template, as vLLM takes them (e.g. {"enable_thinking": false} for Qwen3);
     # the ones the server sets are refused (server/reasoning.py)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_input(self, tools: list[dict]) -> tuple[list[dict], dict]:
+        """What the chat template renders, as the engine gets it (the handler and the routers'
+        prompt hashes, pdserve/routing.py, both render this): the messages, earlier tool calls'
+        arguments as objects, and the template's variables: chat_template_kwargs (checked:
+        RequestError) and the tools offered."""
+        template_vars = check_template_kwargs(self.chat_template_kwargs)
+        if tools:
+            template_vars["tools"] = tools
+        return [template_message(m.as_template_dict()) for m in self.messages], template_vars
 
 
 # ---- the origin server's endpoints (field names are theirs)

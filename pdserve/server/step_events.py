@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 
+from pdserve.engine.interface import paged
 from pdserve.engine.sequence import SequenceStatus
 
 log = logging.getLogger("pdserve.server")
@@ -165,7 +166,8 @@ class StepEvents:
 def _requests(engine, stepped: bool, outputs) -> tuple[tuple[list, list], int]:
     """Each live request's phase and counters after the step, and what it did in it, as tuples
     (dicts only on the event loop, in _as_dicts: this runs on the engine thread)."""
-    sched = getattr(engine, "last_schedule", None) if stepped else None   # None: a baseline backend
+    p = paged(engine)
+    sched = p.last_schedule if stepped and p is not None else None   # None: a baseline
     scheduled, preempted = {}, ()
     if sched is not None:
         scheduled = {seq.request_id: (n, p) for seq, n, p in zip(sched.seqs, sched.num_tokens, sched.is_prefill)}
@@ -178,7 +180,7 @@ def _requests(engine, stepped: bool, outputs) -> tuple[tuple[list, list], int]:
         finished.append((out.request_id, out.finish_reason, *scheduled.get(out.request_id, none),
                          len(out.prompt_token_ids), len(m.token_times), m.num_preemptions, m.ttft, m.tpot))
     live = []
-    seqs = getattr(engine, "seqs", {})   # in arrival order
+    seqs = engine.seqs   # in arrival order
     waiting = (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_REMOTE_KVS)   # (the latter: its KV is pulled)
     for seq in itertools.islice(seqs.values(), MAX_REQUESTS - len(finished)):
         rid = seq.request_id

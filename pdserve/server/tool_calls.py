@@ -64,6 +64,13 @@ class ToolPlan:
     grammar: GrammarSpec | None = None
 
 
+def offered(body) -> list[dict]:
+    """The tools the chat template gets: the request's, unless tool_choice is "none"."""
+    if not body.tools or body.tool_choice == "none":
+        return []
+    return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
 def plan(body, parser_name: str | None) -> ToolPlan:
     """The plan for a chat request; RequestError naming tools / tool_choice if it cannot be served."""
     tools, choice = body.tools or [], body.tool_choice
@@ -75,9 +82,9 @@ def plan(body, parser_name: str | None) -> ToolPlan:
             raise RequestError(f"tool name {n!r} must be 1-64 characters of a-z, A-Z, 0-9, _, . and -", param="tools")
     if len(set(names)) != len(names):
         raise RequestError("tool names must be unique", param="tools")
-    if not tools or choice == "none":
+    template_tools = offered(body)
+    if not template_tools:
         return ToolPlan("none")
-    template_tools = [t.model_dump(exclude_none=True) for t in tools]
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise RequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools "

@@ -62,7 +62,7 @@ async def reset_prefix_cache(request: Request):
     running requests: the blocks they hold stay cached, and the answer says how many."""
     s = get_state(request)
     if s.paged is None:
-        raise RequestError(f"the {getattr(s.engine, 'name', '')} backend has no prefix cache", param=None)
+        raise RequestError(f"the {s.engine.name} baseline has no prefix cache", param=None)
     return await s.async_engine.call(s.paged.reset_prefix_cache)
 
 
@@ -70,7 +70,7 @@ async def reset_prefix_cache(request: Request):
 async def kv_transfer(request: Request):
     """This worker's prefill/decode role and KV layout, for a proxy pairing workers (docs/API.md)."""
     s = get_state(request)
-    if s.paged is None:   # a baseline backend: no paged cache to transfer
+    if s.paged is None:   # a baseline: no paged cache to transfer
         return {"role": "both", "engine_id": None, "block_size": None, "dtype": None, "transport": None,
                 "kv_host": None, "kv_port": None, "model": s.config.served_model_name}
     return {**s.paged.kv_transfer_info(), "model": s.config.served_model_name}

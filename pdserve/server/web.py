@@ -54,10 +54,10 @@ async def redoc_js():
 
 def engine_config(s: ServerState) -> dict:
     """What the live view draws against: the step budget, the sequence cap, the KV cache's size."""
-    c = getattr(s.engine, "config", None)   # an EngineConfig (every backend has one)
-    limits = {name: getattr(c, name, None) for name in
-              ("max_num_batched_tokens", "max_num_seqs", "max_prefill_tokens_with_decodes", "block_size")}
-    return {"model": s.config.served_model_name, "backend": getattr(s.engine, "name", "") or "engine",
+    c = s.engine.config
+    limits = dict(max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
+                  max_prefill_tokens_with_decodes=c.max_prefill_tokens_with_decodes, block_size=c.block_size)
+    return {"model": s.config.served_model_name, "backend": s.engine.name,
             "max_model_len": s.max_model_len, **limits, "ring_size": s.step_events.ring_size}
 
 

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="disaggregated: X prefill workers (with --decode-replicas)")
     g.add_argument("--decode-replicas", type=int_at_least(1), default=None, metavar="Y", help="and Y decode workers")
     g.add_argument("--router", choices=("round-robin", "least-loaded", "prefix-aware"), default="round-robin",
-                   help="which replica gets a request; prefix-aware is the Ray app's router (pdserve/ray/routing.py) "
+                   help="which replica gets a request; prefix-aware is the Ray app's and the proxy's router (pdserve/routing.py) "
                         "(default: %(default)s)")
     g.add_argument("--router-latency-ms", type=float, default=0.0,
                    help="what the router's or proxy's hops add to each request, there and back (a Ray ingress, "

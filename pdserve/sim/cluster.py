@@ -82,7 +82,7 @@ class SimResult:
 
 class Router:
     """round-robin; least-loaded (fewest requests waiting, running or loading; ties: the first);
-    prefix-aware: the Ray app's own router (pdserve/ray/routing.py), which remembers the prompt
+    prefix-aware: the Ray app's and the proxy's router (pdserve/routing.py), which remembers the prompt
     blocks it sent to each replica and counts the requests it has in flight there."""
 
     def __init__(self, replicas: list[Replica], kind: str, block_size: int = 16, capacity_blocks: int = 1 << 16):
@@ -92,12 +92,12 @@ class Router:
         self._next = itertools.cycle(range(len(replicas)))
         self._kv = None
         if kind == "prefix-aware":
-            from pdserve.ray.routing import Router as KVAwareRouter   # plain Python: no Ray needed
+            from pdserve.routing import Router as KVAwareRouter   # plain Python: no Ray needed
             self._kv, self.block_size, self.capacity_blocks = KVAwareRouter(kind), block_size, capacity_blocks
 
     def pick(self, prompt: list[int] = ()) -> Replica:
         if self._kv is not None:
-            from pdserve.ray.routing import prompt_block_hashes
+            from pdserve.routing import prompt_block_hashes
             hashes = prompt_block_hashes(prompt, self.block_size)
             replica, _ = self._kv.choose(self.replicas, hashes)
             self._kv.record(replica, hashes, self.capacity_blocks)

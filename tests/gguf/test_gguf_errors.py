@@ -80,7 +80,7 @@ def test_two_gguf_files_in_a_directory(make_gguf, tmp_path):
 
 
 def test_transformers_backends_refuse_a_gguf_model(make_gguf):
-    from pdserve.baselines.backend import HFBackend
+    from pdserve.baselines.baseline import Baseline
     _, gguf = make_gguf("qwen2", "f32")
     with pytest.raises(CheckpointError, match="served by the engine"):
-        HFBackend(gguf, device="cpu")
+        Baseline(gguf, device="cpu")

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import ModelConfig
+from pdserve.config_fields import CONFIG_FIELDS
 from pdserve.errors import CheckpointError
 from pdserve.layers import mla
 from pdserve.layers.moe import SparseMoeBlock
@@ -165,7 +166,7 @@ def test_layers_and_routing_are_transformers():
     hf = transformers.DeepseekV3Config(**raw)
     with torch.device("meta"):
         ours = DeepseekV3ForCausalLM(ModelConfig("/ckpt", "DeepseekV3ForCausalLM",
-                                                 **DeepseekV3ForCausalLM.config_fields(raw), torch_dtype=None,
+                                                 **CONFIG_FIELDS["DeepseekV3ForCausalLM"](raw), torch_dtype=None,
                                                  raw=json.loads(json.dumps(raw))))
         theirs = transformers.DeepseekV3ForCausalLM(hf)
     ours_sd = {k: tuple(v.shape) for k, v in ours.state_dict().items()}

@@ -15,6 +15,7 @@ import transformers
 from pdserve import LLM
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
+from pdserve.config_fields import CONFIG_FIELDS
 from pdserve.models import ARCHITECTURES
 from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_greedy_batch_equals_transformers,
                            assert_last_position_logits_match,
@@ -82,8 +83,7 @@ def test_prefix_cache_preemption_and_speculation_keep_outputs(model_path, cpu_ke
 # ---------------------------------------------------------------- config.json, as transformers reads it
 
 def config_of(arch: str, raw: dict) -> ModelConfig:
-    cls = ARCHITECTURES[arch]
-    return ModelConfig("/ckpt", arch, **cls.config_fields(raw), torch_dtype=None, raw=raw)
+    return ModelConfig("/ckpt", arch, **CONFIG_FIELDS[arch](raw), torch_dtype=None, raw=raw)
 
 
 def hf_windows(hf_config) -> list:

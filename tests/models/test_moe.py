@@ -19,6 +19,7 @@ from pdserve import LLM
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
 from pdserve.layers.moe import FusedMoE, Routing, SparseMoeBlock, select_experts
+from pdserve.config_fields import CONFIG_FIELDS
 from pdserve.models import ARCHITECTURES
 from tests.helpers import (PROMPT_LENS, assert_decode_equals_recompute, assert_greedy_batch_equals_transformers,
                            assert_last_position_logits_match, assert_outputs_survive_cache_preemption_and_speculation,
@@ -190,8 +191,7 @@ def test_fused_moe_reads_each_selected_expert_once():
 # ---------------------------------------------------------------- config.json, as transformers reads it
 
 def config_of(arch: str, raw: dict) -> ModelConfig:
-    cls = ARCHITECTURES[arch]
-    return ModelConfig("/ckpt", arch, **cls.config_fields(raw), torch_dtype=None, raw=raw)
+    return ModelConfig("/ckpt", arch, **CONFIG_FIELDS[arch](raw), torch_dtype=None, raw=raw)
 
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,

@@ -2,7 +2,7 @@
 by transformers' own classes with a tiny vision tower) serve their text part exactly: greedy tokens and
 logits equal to transformers' text-only forward, on torch's ops and on each kernel build; the vision
 tensors are never read; the text config is read as transformers reads it (sparse text_config, the
-composite's tie); an image in a request is a 400 naming it (pdserve/models/vlm_text.py)."""
+composite's tie); an image in a request is a 400 naming it (pdserve/vlm_text.py)."""
 import functools
 import json
 import os
@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from pdserve import LLM, SamplingParams
 from pdserve.config import ModelConfig
 from pdserve.errors import CheckpointError
-from pdserve.models.vlm_text import TEXT_DEFAULTS
+from pdserve.vlm_text import TEXT_DEFAULTS
 from tests.helpers import (assert_decode_equals_recompute, assert_last_position_logits_match,
                            assert_outputs_survive_cache_preemption_and_speculation, corpus_prompts, hf_greedy)
 from tests.models.test_families_a import YARN

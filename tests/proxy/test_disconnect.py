@@ -28,7 +28,7 @@ def test_a_client_leaving_mid_stream_aborts_the_decode_request(cluster, path, bo
         assert decode.running == 1
     wait_until(lambda: decode.running == 0)
     assert decode.aborted == 1 and decode.bodies[0]["kv_transfer_params"]["remote_request_id"] not in LEASES
-    wait_until(lambda: c.proxy.decode.workers[0].in_flight == 0)
+    wait_until(lambda: c.proxy.decode.in_flight(c.proxy.decode.workers[0]) == 0)
 
 
 def test_a_client_leaving_a_plain_request_aborts_the_decode_request(cluster):
@@ -51,5 +51,5 @@ def test_a_client_leaving_during_the_prefill_cancels_the_prefill_call(cluster):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(c.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True},
                    timeout=httpx.Timeout(30, read=0.3))
-    wait_until(lambda: c.proxy.prefill.workers[0].in_flight == 0)
+    wait_until(lambda: c.proxy.prefill.in_flight(c.proxy.prefill.workers[0]) == 0)
     assert not decode.bodies

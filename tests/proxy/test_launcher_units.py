@@ -58,7 +58,8 @@ def test_workers_get_every_flag_given_except_the_launchers_own():
 
 @pytest.mark.parametrize("argv,message", [
     (["--disaggregate", "--threads", "2"], "--threads cannot be combined with --disaggregate"),
-    (["--disaggregate", "--backend", "hf"], "needs --backend engine"),
+    (["--disaggregate", "--backend", "hf"], "not --baseline hf"),
+    (["--disaggregate", "--baseline", "static"], "not --baseline static"),
     (["--prefill-cores", "0"], "--prefill-cores and --decode-cores need --disaggregate"),
     (["--disaggregate", "--prefill-cores", "0", "--decode-cores", "4096"], "are not available to this process"),
 ])

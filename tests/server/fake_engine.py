@@ -5,6 +5,7 @@ so outputs are predictable. The end-to-end tests use the real engine and real ch
 """
 import time
 
+from pdserve.config import EngineConfig
 from pdserve.engine.outputs import EngineStats, RequestMetrics, RequestOutput, StepStats
 from pdserve.errors import RequestError
 
@@ -35,12 +36,17 @@ class _Req:
 
 
 class FakeEngine:
+    name = "fake"
     model_name = "fake-model"
 
     def __init__(self, max_model_len=64, max_num_seqs=4, block_size=4, num_blocks=64, step_time=0.002,
                  fail_at_step=None):
         self.tokenizer = FakeTokenizer()
+        # the settings the server reads (no generation_config.json: "vllm" defaults)
+        self.config = EngineConfig(model=self.model_name, device="cpu", max_num_seqs=max_num_seqs,
+                                   block_size=block_size, generation_config="vllm")
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.seqs = {}   # its requests are not Sequences: the live view shows none
         self.block_size, self.num_blocks = block_size, num_blocks
         self.step_time, self.fail_at_step = step_time, fail_at_step
         self.waiting: list[_Req] = []
@@ -122,12 +128,11 @@ class FakePagedEngine(FakeEngine):
     """A FakeEngine that is a PagedEngine (engine/interface.py): the endpoints a paged KV cache
     allows are open; prompt logprobs and grammars (it has no output processor) are still refused."""
     computes_prompt_logprobs = False
-    config = None
     last_schedule = None
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.seqs, self.resets = {}, 0
+        self.resets = 0
 
     @property
     def kv_capacity(self) -> int:

@@ -6,7 +6,7 @@ import typing
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.baselines import BACKENDS
+from pdserve.baselines import BASELINES
 from pdserve.engine.interface import EngineClient, PagedEngine, grammars, paged
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.server.app import build_app
@@ -31,9 +31,9 @@ def test_llm_engine_has_every_member_of_the_interface(tiny_llama):
     assert grammars(engine) is engine.processor.grammars
 
 
-@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("name", sorted(BASELINES))
 def test_a_baseline_is_an_engine_client_without_a_paged_cache(tiny_llama, name):
-    engine = BACKENDS[name](tiny_llama)
+    engine = BASELINES[name](tiny_llama)
     assert members(EngineClient) - set(dir(engine)) == set()
     assert paged(engine) is None and grammars(engine) is engine.processor.grammars   # constrained decoding too
 

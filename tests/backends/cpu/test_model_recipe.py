@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, config_fields
 from pdserve.backends.cpu.kernels import cpu_ops
 from pdserve.backends.cpu.stack import Unsupported, stack_arguments
 from pdserve.layers.activation import SiluAndMul
+from pdserve.config_fields import CONFIG_FIELDS
 from pdserve.models import ARCHITECTURES
 from pdserve.models.llama import LlamaForCausalLM
 from tests.helpers import chunked_logits, corpus_prompts, hf_greedy, hf_logits
@@ -117,8 +118,9 @@ def count_stack_calls(backend) -> list:
     return calls
 
 
-def test_a_family_added_by_its_class_and_registry_entry_runs_on_the_stack(tiny_olmo, monkeypatch, caplog):
+def test_a_family_added_by_its_class_and_registry_entries_runs_on_the_stack(tiny_olmo, monkeypatch, caplog):
     monkeypatch.setitem(ARCHITECTURES, "OlmoForCausalLM", OlmoForCausalLM)
+    monkeypatch.setitem(CONFIG_FIELDS, "OlmoForCausalLM", config_fields.llama)   # its config.json: Llama's keys
     with caplog.at_level(logging.WARNING, logger="pdserve"):
         llm = LLM(tiny_olmo, max_num_batched_tokens=64, max_num_seqs=8)
     backend = llm.engine.runner.backend

@@ -1,10 +1,10 @@
-"""Which worker of a role gets the next request: round-robin, or the one with the fewest
-requests in flight at this proxy (ties in round-robin order, so idle workers take turns)."""
+"""The proxy's workers: their URLs, and the pool of each role with the router that chooses the
+worker of a request (pdserve/routing.py: round-robin, least-loaded, prefix-aware)."""
 import contextlib
 
 import httpx
 
-ROUTINGS = ("round-robin", "least-loaded")
+from pdserve.routing import Router
 
 
 def worker_url(text: str) -> str:
@@ -25,35 +25,35 @@ def worker_url(text: str) -> str:
 class Worker:
     def __init__(self, url: str, role: str):
         self.url, self.role = url, role
-        self.in_flight = 0   # requests this proxy has sent it that have not finished
         self.engine_id: str | None = None   # its id on the KV channel (set by the pairing check)
 
     def __repr__(self) -> str:
         return f"{self.role} worker {self.url}"
 
 
-class Router:
-    def __init__(self, workers: list[Worker], routing: str = "round-robin"):
-        if not workers:
-            raise ValueError("a router needs at least one worker")
-        if routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-        self.workers, self.routing = workers, routing
-        self._next = 0
+class Pool:
+    """The workers of one role and the router that chooses among them (pdserve/routing.py), which
+    counts the requests this proxy has in flight on each."""
 
-    def choose(self) -> Worker:
-        n = len(self.workers)
-        order = [self.workers[(self._next + i) % n] for i in range(n)]
-        self._next = (self._next + 1) % n
-        if self.routing == "least-loaded":
-            return min(order, key=lambda w: w.in_flight)   # the first of the least loaded
-        return order[0]
+    def __init__(self, workers: list[Worker], router: Router):
+        if not workers:
+            raise ValueError("a pool needs at least one worker")
+        self.workers, self.router = workers, router
+
+    def choose(self, hashes: list[int] = ()) -> Worker:
+        """The worker for a request whose prompt has these block hashes ([]: not routed by prefix)."""
+        worker, _ = self.router.choose(self.workers, hashes)
+        self.router.record(worker, hashes)
+        return worker
+
+    def in_flight(self, worker: Worker) -> int:
+        return self.router.in_flight.get(worker, 0)
 
     @contextlib.contextmanager
     def busy(self, worker: Worker):
         """Counts a request in flight on `worker` for as long as the block runs."""
-        worker.in_flight += 1
+        self.router.sent(worker)
         try:
             yield worker
         finally:
-            worker.in_flight -= 1
+            self.router.completed(worker)

@@ -35,15 +35,15 @@ def stream_chunks(server, prompt, max_tokens):
 
 
 @pytest.fixture(scope="module")
-def backends(start_server, tiny_llama):
-    return {name: start_server(tiny_llama, "--backend", name, *extra) for name, extra in
+def baselines(start_server, tiny_llama):
+    return {name: start_server(tiny_llama, "--baseline", name, *extra) for name, extra in
             [("hf", ()), ("static", ("--batch-size", "4", "--batch-wait-ms", "1000")), ("nocache", ())]}
 
 
-def test_every_endpoint_answers_like_the_engine(server, backends):
+def test_every_endpoint_answers_like_the_engine(server, baselines):
     want = [completion(server, p)["text"] for p in PROMPTS]
     origin = post(server, "/generate", {"prompts": PROMPTS[:2], "max_tokens": 12})["generated_texts"]
-    for name, b in backends.items():
+    for name, b in baselines.items():
         assert [completion(b, p)["text"] for p in PROMPTS] == want, name
         assert post(b, "/generate", {"prompts": PROMPTS[:2], "max_tokens": 12})["generated_texts"] == origin, name
         chat = post(b, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
@@ -51,17 +51,17 @@ def test_every_endpoint_answers_like_the_engine(server, backends):
         assert chat["usage"]["completion_tokens"] <= 5 and "metrics" in chat["choices"][0], name
 
 
-def test_hf_streams_everything_at_the_end_and_nocache_token_by_token(backends):
-    m = completion(backends["hf"], PROMPTS[1], max_tokens=20, ignore_eos=True)["metrics"]
+def test_hf_streams_everything_at_the_end_and_nocache_token_by_token(baselines):
+    m = completion(baselines["hf"], PROMPTS[1], max_tokens=20, ignore_eos=True)["metrics"]
     assert m["ttft_s"] == pytest.approx(m["e2e_s"])          # nothing visible before generate() returns
-    m = completion(backends["nocache"], PROMPTS[1], max_tokens=20, ignore_eos=True)["metrics"]
+    m = completion(baselines["nocache"], PROMPTS[1], max_tokens=20, ignore_eos=True)["metrics"]
     assert m["ttft_s"] < m["e2e_s"] and m["tpot_s"] > 0
-    chunks = stream_chunks(backends["nocache"], PROMPTS[1], 20)
+    chunks = stream_chunks(baselines["nocache"], PROMPTS[1], 20)
     assert len(chunks) > 5 and chunks[-1][0] > chunks[0][0]
 
 
-def test_static_runs_ten_requests_in_three_generate_calls(backends):
-    b = backends["static"]
+def test_static_runs_ten_requests_in_three_generate_calls(baselines):
+    b = baselines["static"]
     before = b.metrics()
     with cf.ThreadPoolExecutor(10) as pool:
         outs = list(pool.map(lambda p: completion(b, p, max_tokens=8, ignore_eos=True), PROMPTS * 2 + PROMPTS[:2]))
@@ -71,8 +71,8 @@ def test_static_runs_ten_requests_in_three_generate_calls(backends):
     assert (calls, seqs) == (3, 10) and all(o["finish_reason"] == "length" for o in outs)
 
 
-def test_static_request_arriving_during_a_batch_waits_for_it(backends):
-    b = backends["static"]
+def test_static_request_arriving_during_a_batch_waits_for_it(baselines):
+    b = baselines["static"]
     done = []
 
     def batch_member(p):
@@ -93,9 +93,9 @@ def test_static_request_arriving_during_a_batch_waits_for_it(backends):
     assert late["metrics"]["queue_time_s"] >= 0.8 * (max(done) - sent) - 0.05
 
 
-def test_baselines_refuse_what_they_cannot_do(backends):
-    err = post(backends["hf"], "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "logprobs": 2}, status=400)
-    assert err["error"]["param"] == "logprobs" and "hf backend" in err["error"]["message"]
-    err = post(backends["static"], "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "seed": 1}, status=400)
+def test_baselines_refuse_what_they_cannot_do(baselines):
+    err = post(baselines["hf"], "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "logprobs": 2}, status=400)
+    assert err["error"]["param"] == "logprobs" and "hf baseline" in err["error"]["message"]
+    err = post(baselines["static"], "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "seed": 1}, status=400)
     assert err["error"]["param"] == "seed"
-    assert httpx.get(backends["static"].url + "/health").status_code == 200
+    assert httpx.get(baselines["static"].url + "/health").status_code == 200

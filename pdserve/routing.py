@@ -1,4 +1,7 @@
-"""Which replica gets a request: the routing policies, as a plain class that needs no Ray.
+"""Which replica (or worker) gets a request: the routing policies, as a plain class that needs
+neither Ray nor HTTP. The Ray app's request router (ray/request_router.py) chooses among engine
+replicas with it, the P/D proxy (proxy/workers.py) among the workers of a role, the simulator among
+its replicas.
 
 prefix-aware follows llm-d's approximate mode: the router does not ask replicas what they hold, it
 remembers what it sent where. Each prompt becomes the chained block hashes of the engine's prefix
@@ -8,11 +11,17 @@ request goes to the replica holding the longest run of its leading blocks; when 
 least `min_match_blocks`, or the best one has `max_imbalance` more requests in flight than the
 least-loaded one, it goes to the least-loaded replica (ties: the one holding fewest blocks, so new
 prefixes spread out, then in turn). What a replica evicted on its own is not seen, which costs a miss there, never
-a wrong answer: the replica's own prefix cache checks every hit."""
+a wrong answer: the replica's own prefix cache checks every hit.
+
+The prompt is the one the engine will get: PromptHasher renders a request body with the server's
+own rendering (its tokenizer; for chat, ChatCompletionRequest.template_input, as the handler
+calls it), so a chat that carries tool calls is hashed over the tokens the engine caches."""
 import itertools
 from collections import OrderedDict
 
 from pdserve.engine.block_manager import hash_block
+from pdserve.server import tool_calls
+from pdserve.server.protocol import ChatCompletionRequest
 
 POLICIES = ("prefix-aware", "round-robin", "least-loaded")
 
@@ -25,6 +34,31 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, salt: str | None 
         h = hash_block(h, tuple(token_ids[i * block_size:(i + 1) * block_size]))
         hashes.append(h)
     return hashes
+
+
+class PromptHasher:
+    """A request body's prompt block hashes, rendered as the server renders it for the engine."""
+
+    def __init__(self, tokenizer, block_size: int):
+        self.tokenizer, self.block_size = tokenizer, block_size
+
+    def __call__(self, path: str, body: dict) -> list[int]:
+        """[] when the body is not one the router can read: the replica answers it with its precise 400."""
+        try:
+            if path == "/v1/chat/completions":
+                req = ChatCompletionRequest.model_validate(body)
+                messages, template_vars = req.template_input(tool_calls.offered(req))
+                ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, **template_vars)
+            elif path == "/v1/completions":
+                prompt = body["prompt"]
+                if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                    prompt = prompt[0]   # a batch: routed by its first prompt
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            else:
+                return []
+            return prompt_block_hashes(ids, self.block_size, body.get("cache_salt"))
+        except Exception:   # malformed
+            return []
 
 
 class Router:

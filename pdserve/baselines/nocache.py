@@ -1,4 +1,4 @@
-"""`--backend nocache`: the origin's /generate_stream. A token loop that re-runs the whole
+"""`--baseline nocache`: the origin's /generate_stream. A token loop that re-runs the whole
 sequence with use_cache=False at every step, so every decode step costs a prefill of the
 sequence so far; each token is streamed as soon as it exists.
 
@@ -10,12 +10,12 @@ import time
 
 import torch
 
-from pdserve.baselines.backend import HFBackend
+from pdserve.baselines.baseline import Baseline
 from pdserve.engine.outputs import RequestOutput, StepStats
 from pdserve.engine.sampler import Sampler
 
 
-class NoCacheBackend(HFBackend):
+class NoCacheBaseline(Baseline):
     name = "nocache"
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)

@@ -1,4 +1,4 @@
-"""`--backend static`: the origin's /generate. Request-level static batching: up to
+"""`--baseline static`: the origin's /generate. Request-level static batching: up to
 `batch_size` waiting requests (the origin used 4) are formed into one batch, optionally after
 waiting `batch_wait_ms` for it to fill, and run to completion by one generate() call; requests
 that arrive meanwhile wait for the whole batch to finish.
@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from pdserve.baselines.backend import HFBackend
+from pdserve.baselines.baseline import Baseline
 from pdserve.engine.outputs import RequestOutput, StepStats
 
 
-class StaticBackend(HFBackend):
+class StaticBaseline(Baseline):
     name = "static"
     # One generate() call has one set of sampling settings and one RNG for all rows.
     UNSUPPORTED = ("logprobs", "presence_penalty", "frequency_penalty", "seed", "grammar")

@@ -1,15 +1,15 @@
-"""`--backend hf`: the origin's /basic_generate. One transformers generate() call per request,
+"""`--baseline hf`: the origin's /basic_generate. One transformers generate() call per request,
 one request at a time, with HF's KV cache. Nothing is visible between prefill and the last
 token: a streaming client gets every token at the end (TTFT = end-to-end latency)."""
 import time
 
 import torch
 
-from pdserve.baselines.backend import HFBackend
+from pdserve.baselines.baseline import Baseline
 from pdserve.engine.outputs import RequestOutput, StepStats
 
 
-class GenerateBackend(HFBackend):
+class GenerateBaseline(Baseline):
     name = "hf"
     UNSUPPORTED = ("logprobs", "presence_penalty", "frequency_penalty", "grammar")
 

@@ -1,4 +1,4 @@
-"""What the baseline backends share: a transformers model, our tokenizer and output processor,
+"""What the baselines share: a transformers model, our tokenizer and output processor,
 a FIFO queue of Sequences, aborts, stats."""
 import collections
 import logging
@@ -20,10 +20,10 @@ from pdserve.tokenizer import Tokenizer
 logger = logging.getLogger("pdserve.baselines")
 
 
-class HFBackend:
+class Baseline:
     """Base of the baselines: everything but step()."""
-    name = ""   # the --backend value
-    # SamplingParams fields a backend cannot honour: refused with a 400 naming the field.
+    name = ""   # the --baseline value
+    # SamplingParams fields a baseline cannot honour: refused with a 400 naming the field.
     UNSUPPORTED: tuple[str, ...] = ()
 
     def __init__(self, model: str, dtype: str = "auto", device: str | None = None, max_model_len: int | None = None,
@@ -31,8 +31,8 @@ class HFBackend:
         self.config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
         self.model_config = ModelConfig.from_dir(model)       # same checks and errors as the engine
         if self.model_config.gguf_file:
-            raise CheckpointError(f"{model}: a GGUF model is served by the engine (--backend engine), not by "
-                                  f"--backend {self.name}, which runs transformers on an HF checkpoint")
+            raise CheckpointError(f"{model}: a GGUF model is served by the engine, not by "
+                                  f"--baseline {self.name}, which runs transformers on an HF checkpoint")
         self.tokenizer = Tokenizer.from_dir(model)
         self.model_name = os.path.basename(os.path.normpath(model))
         limit = self.model_config.max_position_embeddings
@@ -60,7 +60,7 @@ class HFBackend:
         for name in self.UNSUPPORTED:
             default = SamplingParams.__dataclass_fields__[name].default
             if getattr(params, name) != default:
-                raise RequestError(f"{name} is not supported by the {self.name} backend", param=name)
+                raise RequestError(f"{name} is not supported by the {self.name} baseline", param=name)
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         seq = self.processor.new_sequence(request_id, prompt, params,
@@ -92,7 +92,7 @@ class HFBackend:
             return outputs + self._step()
         except Exception:
             # as in the engine: a failed model call fails only the requests it was running
-            logger.exception("%s backend step failed; failing its %d requests", self.name, len(self.running))
+            logger.exception("%s baseline step failed; failing its %d requests", self.name, len(self.running))
             now = time.perf_counter()
             for seq in list(self.running):
                 self.running.remove(seq)

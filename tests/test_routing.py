@@ -1,10 +1,19 @@
-"""The replica router's choices, as a plain class (no Ray): pdserve/ray/routing.py."""
+"""The router's choices, as a plain class (no Ray, no HTTP): pdserve/routing.py; and the prompt
+it hashes is the one the engine gets."""
+import json
+import os
+import shutil
+
+import httpx
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.ray.routing import Router, prompt_block_hashes
+from pdserve.routing import PromptHasher, Router, prompt_block_hashes
 from pdserve.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
 from tests.helpers import finish_all
+from tests.server.inprocess import serve
+from tests.server.test_tool_calls import TEMPLATE, TOOLS
 
 BS = 4
 
@@ -116,3 +125,45 @@ def test_the_router_counts_the_blocks_the_engine_finds_cached(tiny_llama):
         assert cached == r.matched_blocks("engine", hashes(prompt)) * BS
         seen.append(cached)
     assert seen == [16, 28, 0]
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_qwen2, tmp_path_factory):
+    """tiny qwen2 with a template that renders a tool call's arguments with tojson: an object and
+    the string a client sends for it render differently."""
+    path = str(tmp_path_factory.mktemp("tools") / "tiny-tools")
+    shutil.copytree(tiny_qwen2, path)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(TEMPLATE)
+    return path
+
+
+def test_a_chat_with_tool_calls_is_hashed_over_the_prompt_the_engine_gets(tool_model):
+    engine = LLMEngine(tool_model, block_size=BS, max_model_len=1024, num_kv_blocks=300)
+    prompts, add = [], engine.add_request
+
+    def spy(request_id, prompt, params, arrival_time=None):   # what the engine is given
+        prompts.append(list(prompt))
+        return add(request_id, prompt, params, arrival_time=arrival_time)
+    engine.add_request = spy
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}
+    body = {"model": "tiny", "tools": TOOLS, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+        {"role": "user", "content": "And tomorrow?"}]}
+    with serve(engine, tool_call_parser="hermes") as url:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    hashes = PromptHasher(Tokenizer.from_dir(tool_model), BS)("/v1/chat/completions", body)
+    assert len(prompts) == 1 and len(hashes) == (len(prompts[0]) - 1) // BS > 10
+    assert hashes == prompt_block_hashes(prompts[0], BS)
+
+
+def test_a_body_the_router_cannot_read_has_no_hashes(tiny_llama):
+    hasher = PromptHasher(Tokenizer.from_dir(tiny_llama), BS)
+    assert hasher("/v1/completions", {"prompt": "a b c d e f g h i j k l"})
+    for path, body in [("/v1/completions", {}), ("/v1/chat/completions", {"messages": "not a list"}),
+                       ("/v1/models", {"prompt": "a b c d e f g h i j k l"})]:
+        assert hasher(path, body) == []
