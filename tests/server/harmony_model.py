@@ -32,8 +32,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 ASK = [{"role": "user", "content": "What is 2+2?"}]
 ASK_WEATHER = [{"role": "user", "content": "Weather in Paris?"}]
 CALL_ARGS = '{"city": "Paris"}'
+# the call's turn as the client sends it back: its thinking too (harmony keeps a tool turn's analysis)
 TOOL_TURN = ASK_WEATHER + [
-    {"role": "assistant", "content": "", "tool_calls": [
+    {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": CALL_ARGS}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
 # (messages, tools, effort) -> what the model writes after that prompt, as harmony text
