@@ -354,8 +354,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                       else body.max_tokens, room, body.n, logprobs, room=room,
                                       spent=s.prompt_cost([prompt], body.n, prompt_k))
     s.check_prompt_cost(body.n, max_tokens, logprobs, [prompt], body.n, prompt_k, "prompt_logprobs")
+    sampling = {**body.sampling_kwargs(), **extra_params}   # extra_params' stop_token_ids include the request's
     params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_k,
-                               final_only=not body.stream, grammar=grammar, **{**body.sampling_kwargs(), **extra_params})
+                               final_only=not body.stream, grammar=grammar, **sampling)
     request_id, sub = await s.submit([prompt] * body.n, params, arrival, "chatcmpl")
     if body.stream:
         return sse_response(_chat_events(s, body, sub, _head(request_id, "chat.completion.chunk", s), prompt, tools,

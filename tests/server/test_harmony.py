@@ -108,7 +108,8 @@ def test_channels_split_the_same_streamed_and_whole(parser, step):
     for i in range(0, len(tokens), step):
         deltas += s.feed(tokens[i:i + step], finished=i + step >= len(tokens))
     got = added_up(deltas)
-    assert (got["reasoning"], got["content"], got["calls"]) == ("The user greets. Reply.", "Hello — bonjour 😀!", {})
+    expected = ("The user greets. Reply.", "Hello — bonjour 😀!", {})
+    assert (got["reasoning"], got["content"], got["calls"]) == expected
     assert parser.message(tokens) == {"reasoning_content": "The user greets. Reply.",
                                       "reasoning": "The user greets. Reply.", "content": "Hello — bonjour 😀!"}
     first = [("reasoning" if "reasoning" in d else "content") for d in deltas]
@@ -137,8 +138,8 @@ def test_a_preamble_to_no_one_is_content(parser):
 def test_an_answer_cut_short_keeps_what_it_has(parser):
     tokens = ids(ANSWER)
     cut = tokens[:tokens.index(ids("<|end|>")[0]) - 1]   # inside the analysis message, before its "."
-    assert parser.message(cut) == {"reasoning_content": "The user greets. Reply", "reasoning": "The user greets. Reply",
-                                   "content": None}
+    thought = "The user greets. Reply"
+    assert parser.message(cut) == {"reasoning_content": thought, "reasoning": thought, "content": None}
     in_header = ids("<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>fin")
     assert parser.message(in_header)["reasoning_content"] == "Hm."
 

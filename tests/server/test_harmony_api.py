@@ -13,7 +13,7 @@ import pytest
 from pdserve.server.harmony import encoding
 from tests.server.harmony_model import (ASK, ASK_WEATHER, CALL_ARGS, CONTENT, REASONING, SCRIPTS, TOOL_TURN, TOOLS,
                                         harmony_model)  # noqa: F401 (a fixture)
-from tests.server.test_reasoning_api import prompt_ids, serve_fails
+from tests.server.test_reasoning_api import added_up, fields, prompt_ids, serve_fails
 
 
 @pytest.fixture(scope="module")
@@ -32,31 +32,7 @@ def ask(client, messages, **kw):
 
 
 def streamed(client, messages, **kw):
-    """(reasoning, content, calls, finish_reason, kinds in order) as a client adds up the stream."""
-    reasoning, content, calls, finish, kinds = "", "", {}, None, []
-    for chunk in ask(client, messages, stream=True, **kw):
-        for ch in chunk.choices:
-            d, extra = ch.delta, ch.delta.model_extra or {}
-            assert extra.get("reasoning_content") == extra.get("reasoning")
-            if extra.get("reasoning_content"):
-                reasoning += extra["reasoning_content"]
-                kinds.append("reasoning")
-            if d.content:
-                content += d.content
-                kinds.append("content")
-            for t in d.tool_calls or []:
-                call = calls.setdefault(t.index, {"name": "", "arguments": ""})
-                call["name"] += t.function.name or ""
-                call["arguments"] += t.function.arguments or ""
-                kinds.append("call")
-            finish = ch.finish_reason or finish
-    return reasoning or None, content or None, list(calls.values()), finish, kinds
-
-
-def fields(message):
-    extra = message.model_extra or {}
-    assert extra.get("reasoning_content") == extra.get("reasoning")
-    return extra.get("reasoning_content"), message.content
+    return added_up(ask(client, messages, stream=True, **kw))
 
 
 def test_analysis_is_reasoning_and_final_is_content(client):
