@@ -76,8 +76,9 @@ class ServerConfig:
     reasoning_parser: str | None = option(
         None, "split a thinking model's output, as vLLM does: the thinking goes to the message's reasoning_content "
         "(and reasoning), the answer to content; tool calls and structured outputs apply to the answer. qwen3 "
-        "(<think>...</think>; chat_template_kwargs {\"enable_thinking\": false} turns thinking off) or deepseek_r1 "
-        "(the output starts inside <think>); the tags must be tokens of the checkpoint (default: none)",
+        "(<think>...</think>; chat_template_kwargs {\"enable_thinking\": false} turns thinking off), deepseek_r1 "
+        "(the output starts inside <think>); the tags must be tokens of the checkpoint; or gpt_oss (harmony's "
+        "channels and tool calls, by openai-harmony; the vocabulary must be o200k_harmony) (default: none)",
         choices=sorted(REASONING_PARSERS))
     max_stored_responses: int = option(
         1000, "/v1/responses kept in memory for previous_response_id: the last N (older ones, and those made with "

@@ -328,7 +328,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.max_completion_tokens is not None or body.max_tokens is not None:
         s.check_cost(body.n, body.max_completion_tokens or body.max_tokens, logprobs)
-    tools = tool_calls.plan(body, s.config.tool_call_parser)
+    harmony = s.reasoning is not None and s.reasoning.harmony
+    tools = tool_calls.plan(body, s.config.tool_call_parser, harmony)
     grammar = body.grammar_spec()
     if tools.grammar is not None:
         if grammar is not None:
@@ -337,10 +338,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         grammar = tools.grammar
     await check_grammar(s.engine, grammar)
     messages, extra = body.template_input(tools.tools)
-    prompt = await s.encode_chat(messages, add_generation_prompt=True, **extra)
+    prompt = await render_prompt(s, messages, extra, body.reasoning_effort)
     if not prompt:
         raise RequestError("messages render to an empty prompt", param="messages")
-    think, extra_params = await reasoning_start(s, messages, extra, grammar)
+    think, extra_params = await reasoning_start(s, messages, extra, grammar, body.stop_token_ids)
     s.check_prompt_len([prompt], param="messages")
     # OpenAI's chat default: as many as can be served, within the context and the KV cache (or
     # max_new_tokens), and --max-request-cost with what prompt logprobs take of it. If the prompt
@@ -350,8 +351,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                       else body.max_tokens, room, body.n, logprobs, room=room,
                                       spent=s.prompt_cost([prompt], body.n, prompt_k))
     s.check_prompt_cost(body.n, max_tokens, logprobs, [prompt], body.n, prompt_k, "prompt_logprobs")
+    sampling = {**body.sampling_kwargs(), **extra_params}   # extra_params' stop_token_ids include the request's
     params = s.sampling_params(body.n, body.seed, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_k,
-                               final_only=not body.stream, grammar=grammar, **extra_params, **body.sampling_kwargs())
+                               final_only=not body.stream, grammar=grammar, **sampling)
     request_id, sub = await s.submit([prompt] * body.n, params, arrival, "chatcmpl")
     if body.stream:
         return sse_response(_chat_events(s, body, sub, _head(request_id, "chat.completion.chunk", s), prompt, tools,
@@ -360,9 +362,32 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         request, _chat_response(s, body, sub, _head(request_id, "chat.completion", s), prompt, tools, think))
 
 
-async def reasoning_start(s: ServerState, messages: list[dict], template_kwargs: dict, grammar) -> tuple[str | None, dict]:
+async def render_prompt(s: ServerState, messages: list[dict], template_kwargs: dict, effort: str | None,
+                        effort_param: str = "reasoning_effort") -> list[int]:
+    """The prompt's token ids: the chat template's, or harmony's (--reasoning-parser gpt_oss),
+    which renders the tools and the reasoning effort itself and has no template to pass kwargs to."""
+    if s.reasoning is None or not s.reasoning.harmony:
+        if effort is not None:
+            raise RequestError(f"{effort_param} needs a server started with --reasoning-parser gpt_oss",
+                               param=effort_param)
+        return await s.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
+    if set(template_kwargs) - {"tools"}:
+        raise RequestError("chat_template_kwargs are not used with --reasoning-parser gpt_oss (harmony renders "
+                           "the prompt, not a template)", param="chat_template_kwargs")
+    s.check_prompt_chars(["".join(m["content"] for m in messages)], "messages")
+    return await s.offload(lambda: s.reasoning.render(messages, template_kwargs.get("tools", []), effort))
+
+
+async def reasoning_start(s: ServerState, messages: list[dict], template_kwargs: dict, grammar,
+                          stop_token_ids: list[int] | None = None) -> tuple[str | None, dict]:
     """With --reasoning-parser: where the prompt leaves the model (thinking on, off, already open;
-    None without a parser), and the SamplingParams that start the grammar after the thinking."""
+    None without a parser), and the SamplingParams that start the grammar after the thinking (gpt_oss:
+    that stop at harmony's end-of-action tokens, besides the request's stop_token_ids)."""
+    if s.reasoning is not None and s.reasoning.harmony:
+        if grammar is not None:
+            raise RequestError("structured outputs are not supported with --reasoning-parser gpt_oss (no one token "
+                               "starts the answer's channel, for a grammar to start after)", param=grammar.param)
+        return reasoning.OPEN, {"stop_token_ids": list(stop_token_ids or []) + s.reasoning.stop_token_ids}
     think = None if s.reasoning is None else await s.offload(
         lambda: reasoning.chat_prompt_state(s.reasoning, s.tokenizer, messages, **template_kwargs))
     if think is not None and grammar is not None:   # the grammar constrains the answer, not the thinking
@@ -383,15 +408,7 @@ async def _chat_response(s, body, sub, head, prompt, tools, think) -> Response:
     def build() -> dict:
         res = []
         for i, c in enumerate(choices):
-            text, thought = c.text, {}
-            if think is not None:   # the answer is what follows the thinking
-                r, text = s.reasoning.split(c.text, think)
-                thought = reasoning.message_fields(r)
-            message, ending = {"role": "assistant", "content": text, **thought}, _ending(c)
-            if tools.mode != "none" and text is not None:
-                content, calls = tool_calls.extract(tools, text, c.finish_reason)
-                message = {"role": "assistant", "content": content, **thought, **({"tool_calls": calls} if calls else {})}
-                ending = _tool_finish(ending, bool(calls))
+            message, ending = _chat_message(s, c, tools, think)
             lp = {"content": chat_logprobs(s.tokenizer, c.token_ids, c.logprobs, k)} if body.logprobs else None
             res.append({"index": i, "message": message, "logprobs": lp, **ending})
         usage = _usage([prompt], sum(len(c.token_ids) for c in choices), _cached(choices, body.n))
@@ -401,13 +418,34 @@ async def _chat_response(s, body, sub, head, prompt, tools, think) -> Response:
     return await _json_response(s, choices, max(k if body.logprobs else 0, body.prompt_logprobs or 0), build)
 
 
+def _chat_message(s, c: RequestOutput, tools, think) -> tuple[dict, dict]:
+    """A finished choice's message and ending: its reasoning split off, its tool calls parsed."""
+    if think is not None and s.reasoning.harmony:   # from the tokens, harmony's markers included
+        message = {"role": "assistant", **s.reasoning.message(c.token_ids)}
+        return message, _tool_finish(_ending(c), "tool_calls" in message)
+    text, thought = c.text, {}
+    if think is not None:   # the answer is what follows the thinking
+        r, text = s.reasoning.split(c.text, think)
+        thought = reasoning.message_fields(r)
+    message, ending = {"role": "assistant", "content": text, **thought}, _ending(c)
+    if tools.mode != "none" and text is not None:
+        content, calls = tool_calls.extract(tools, text, c.finish_reason)
+        message = {"role": "assistant", "content": content, **thought, **({"tool_calls": calls} if calls else {})}
+        ending = _tool_finish(ending, bool(calls))
+    return message, ending
+
+
 def _chat_events(s, body, sub, head, prompt, tools, think):
-    streams = [tool_calls.ToolStream(tools) if tools.mode != "none" else None for _ in range(body.n)]
+    harmony = think is not None and s.reasoning.harmony   # its stream makes the deltas, calls included
+    streams = [tool_calls.ToolStream(tools) if tools.mode != "none" and not harmony else None
+               for _ in range(body.n)]
     thinking = None if think is None else [s.reasoning.stream(think) for _ in range(body.n)]
 
     def choices_of(out: RequestOutput, i: int):
         text, deltas = out.new_text, []
-        if thinking is not None:   # reasoning deltas first; the answer's text goes on as content
+        if harmony:
+            deltas, text = thinking[i].feed(out.new_token_ids, out.finished), ""
+        elif thinking is not None:   # reasoning deltas first; the answer's text goes on as content
             d = thinking[i].feed(text, out.finished)
             if d.reasoning:
                 deltas.append(reasoning.message_fields(d.reasoning))
@@ -424,7 +462,8 @@ def _chat_events(s, body, sub, head, prompt, tools, think):
                                                            body.top_logprobs or 0)}
         if out.finished:
             ending = _ending(out)
-            choice.update(ending if streams[i] is None else _tool_finish(ending, streams[i].has_calls()))
+            calls = thinking[i] if harmony else streams[i]
+            choice.update(ending if calls is None else _tool_finish(ending, calls.has_calls()))
         return events + ([choice] if _has_news(out) else [])
 
     opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

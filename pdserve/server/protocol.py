@@ -193,6 +193,8 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     # variables for the chat template, as vLLM takes them (e.g. {"enable_thinking": false} for Qwen3);
     # the ones the server sets are refused (server/reasoning.py)
     chat_template_kwargs: dict[str, Any] | None = None
+    # gpt-oss's reasoning effort, rendered into harmony's system message (--reasoning-parser gpt_oss)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def template_input(self, tools: list[dict]) -> tuple[list[dict], dict]:
         """What the chat template renders, as the engine gets it (the handler and the routers'

@@ -10,6 +10,9 @@ to `content`; tool-call parsing and structured outputs apply to the answer only.
 - deepseek_r1: the template's generation prompt opens `<think>`, so the output starts inside
   thinking (a leading `<think>` the model writes anyway is dropped) and `</think>` ends it; with
   no `</think>` the whole output is reasoning.
+- gpt_oss: gpt-oss's harmony channels, rendered and parsed on token ids by openai-harmony
+  (pdserve/server/harmony.py): a parser whose `harmony` is true also renders the prompt and finds
+  the tool calls.
 
 One state machine (ReasoningStream) splits a stream and a whole text alike, so a streamed answer
 and a non-streamed one split the same way: a tag split across deltas is held back until it is
@@ -34,6 +37,8 @@ class ReasoningParser:
     end = "</think>"
     # whether an output that does not open with the start tag is thinking anyway (deepseek_r1)
     implicit_start = False
+    # whether the parser renders the prompt and reads the output's token ids (gpt_oss: harmony.py)
+    harmony = False
 
     def __init__(self, tokenizer):
         ids = {}
@@ -80,7 +85,12 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     implicit_start = True
 
 
-PARSERS = {p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+def _harmony(tokenizer) -> ReasoningParser:
+    from pdserve.server.harmony import HarmonyParser   # imports openai-harmony, an extra
+    return HarmonyParser(tokenizer)
+
+
+PARSERS = {p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)} | {"gpt_oss": _harmony}
 
 
 def build(name: str | None, tokenizer) -> ReasoningParser | None:
@@ -198,6 +208,8 @@ def chat_prompt_state(parser: ReasoningParser, tokenizer, messages: list[dict], 
     """prompt_state of a chat: from the text the template adds for the assistant's turn (the
     render with add_generation_prompt minus the one without), so an earlier turn's `</think>`
     does not count; the whole prompt where the two renders do not share a prefix."""
+    if parser.harmony:   # no chat template: the parser reads the answer's tokens from the start
+        return parser.prompt_state("")
     full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
     base = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **template_kwargs)
     return parser.prompt_state(full[len(base):] if full.startswith(base) else full)

@@ -27,7 +27,7 @@ from pdserve.errors import RequestError
 from pdserve.server import reasoning, tool_calls
 from pdserve.server.admission import ServerState, get_state
 from pdserve.server.errors import APIError
-from pdserve.server.openai_api import reasoning_start
+from pdserve.server.openai_api import reasoning_start, render_prompt
 from pdserve.server.responses_output import OutputBuilder, message_deltas, new_id
 from pdserve.server.responses_protocol import InputItem, ResponsesRequest, join_text, refuse_unsupported
 from pdserve.server.responses_store import ResponseStore
@@ -80,7 +80,7 @@ def _input_messages(items: list[InputItem] | str) -> list[dict]:
     return messages
 
 
-def _tool_plan(body: ResponsesRequest, parser_name: str | None) -> tool_calls.ToolPlan:
+def _tool_plan(body: ResponsesRequest, parser_name: str | None, harmony: bool) -> tool_calls.ToolPlan:
     """The chat path's tool plan, from the Responses API's flat tool and tool_choice shapes."""
     tools = [tool_calls.Tool(type="function", function=tool_calls.FunctionDef(
         name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in body.tools or []]
@@ -88,7 +88,7 @@ def _tool_plan(body: ResponsesRequest, parser_name: str | None) -> tool_calls.To
     if choice is not None and not isinstance(choice, str):
         choice = tool_calls.NamedToolChoice(type="function", function=tool_calls.NamedFunction(name=choice.name))
     return tool_calls.plan(SimpleNamespace(tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls),
-                           parser_name)
+                           parser_name, harmony)
 
 
 def _format_grammar(body: ResponsesRequest) -> GrammarSpec | None:
@@ -102,11 +102,23 @@ def _format_grammar(body: ResponsesRequest) -> GrammarSpec | None:
     return json_spec(fmt.schema_, "text")
 
 
+def reasoning_effort(body: ResponsesRequest) -> str | None:
+    """`reasoning.effort` (gpt-oss's, rendered by harmony); its other fields are not served."""
+    if body.reasoning is None:
+        return None
+    effort = body.reasoning.get("effort")
+    if set(body.reasoning) - {"effort"} or effort not in (None, "low", "medium", "high"):
+        raise RequestError('reasoning: only "effort" ("low", "medium" or "high") is supported', param="reasoning")
+    return effort
+
+
 # ---- what the answer is
 
 def _answer(s: ServerState, plan: tool_calls.ToolPlan, think: str | None, out: RequestOutput) -> dict:
     """A finished answer as chat's message fields: reasoning_content (with --reasoning-parser),
     content and tool_calls, split and parsed as chat does."""
+    if think is not None and s.reasoning.harmony:   # gpt_oss: from the tokens, calls included
+        return s.reasoning.message(out.token_ids)
     text, thought = out.text, None
     if think is not None:   # the answer is what follows the thinking
         thought, text = s.reasoning.split(out.text, think)
@@ -117,12 +129,14 @@ def _answer(s: ServerState, plan: tool_calls.ToolPlan, think: str | None, out: R
 
 
 def _delta_source(s: ServerState, plan: tool_calls.ToolPlan, think: str | None):
-    """(new_text, finished, finish_reason) -> chat's stream deltas for one streamed answer, as chat
-    makes them: the reasoning first, then the answer's content and tool calls."""
-    calls = tool_calls.ToolStream(plan) if plan.mode != "none" else None
+    """(new_text, finished, finish_reason, new_token_ids) -> chat's stream deltas for one streamed
+    answer, as chat makes them: the reasoning first, then the answer's content and tool calls."""
     thinking = s.reasoning.stream(think) if think is not None else None
+    if think is not None and s.reasoning.harmony:   # gpt_oss: harmony's parser reads the tokens
+        return lambda new_text, finished, finish_reason, new_token_ids: thinking.feed(new_token_ids, finished)
+    calls = tool_calls.ToolStream(plan) if plan.mode != "none" else None
 
-    def deltas(new_text: str, finished: bool, finish_reason: str | None) -> list[dict]:
+    def deltas(new_text: str, finished: bool, finish_reason: str | None, new_token_ids: list[int]) -> list[dict]:
         out, text = [], new_text
         if thinking is not None:
             d = thinking.feed(text, finished)
@@ -256,7 +270,8 @@ async def _admit(body: ResponsesRequest, request: Request, arrival: float):
     history += _input_messages(body.input)
     if not history:
         raise RequestError("input must not be empty", param="input")
-    plan = _tool_plan(body, getattr(s.config, "tool_call_parser", None))
+    harmony = s.reasoning is not None and s.reasoning.harmony
+    plan = _tool_plan(body, getattr(s.config, "tool_call_parser", None), harmony)
     # a tool_choice that forces calls makes the answer calls alone: text.format has no text to shape
     grammar = plan.grammar if plan.grammar is not None else _format_grammar(body)
     await check_grammar(s.engine, grammar)
@@ -265,7 +280,7 @@ async def _admit(body: ResponsesRequest, request: Request, arrival: float):
     extra = reasoning.check_template_kwargs(body.chat_template_kwargs)
     if plan.tools:
         extra["tools"] = plan.tools
-    prompt = await s.encode_chat(messages, add_generation_prompt=True, **extra)
+    prompt = await render_prompt(s, messages, extra, reasoning_effort(body), "reasoning")
     if not prompt:
         raise RequestError("input renders to an empty prompt", param="input")
     think, extra_params = await reasoning_start(s, messages, extra, grammar)
@@ -307,7 +322,7 @@ async def _events(turn: _Turn, sub, plan):
             seq += 1
         final = None
         async for out in sub.outputs():
-            for delta in deltas(out.new_text, out.finished, out.finish_reason):
+            for delta in deltas(out.new_text, out.finished, out.finish_reason, out.new_token_ids):
                 for event in builder.feed(delta):
                     yield _event(event, seq)
                     seq += 1

@@ -112,8 +112,9 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     include: list[str] | None = None                    # only empty
     truncation: Literal["disabled", "auto"] | None = None   # only "disabled"
-    # OpenAI's, not served here: a request that sets one is refused naming it
+    # its effort goes to harmony's system message (--reasoning-parser gpt_oss); otherwise refused
     reasoning: dict[str, Any] | None = None
+    # OpenAI's, not served here: a request that sets one is refused naming it
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
@@ -124,7 +125,7 @@ class ResponsesRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-UNSUPPORTED = ("reasoning", "conversation", "prompt", "top_logprobs", "max_tool_calls", "context_management")
+UNSUPPORTED = ("conversation", "prompt", "top_logprobs", "max_tool_calls", "context_management")
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:

@@ -71,8 +71,9 @@ def offered(body) -> list[dict]:
     return [t.model_dump(exclude_none=True) for t in body.tools]
 
 
-def plan(body, parser_name: str | None) -> ToolPlan:
-    """The plan for a chat request; RequestError naming tools / tool_choice if it cannot be served."""
+def plan(body, parser_name: str | None, harmony: bool = False) -> ToolPlan:
+    """The plan for a chat request; RequestError naming tools / tool_choice if it cannot be served.
+    harmony (--reasoning-parser gpt_oss): the reasoning parser finds the calls, "auto" only."""
     tools, choice = body.tools or [], body.tool_choice
     if choice is not None and choice != "none" and not tools:
         raise RequestError("tool_choice needs tools", param="tool_choice")
@@ -85,6 +86,11 @@ def plan(body, parser_name: str | None) -> ToolPlan:
     template_tools = offered(body)
     if not template_tools:
         return ToolPlan("none")
+    if harmony:
+        if choice not in (None, "auto"):
+            raise RequestError('with --reasoning-parser gpt_oss, tool_choice is "auto" or "none" (harmony\'s '
+                               "calls are free generation, not constrained)", param="tool_choice")
+        return ToolPlan("auto", template_tools)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise RequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools "

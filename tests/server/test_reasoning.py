@@ -134,7 +134,7 @@ def test_chat_prompt_state_ignores_earlier_turns():
 
 def test_build_refuses_what_cannot_work_in_one_line():
     assert build(None, Tok()) is None
-    with pytest.raises(ConfigError, match="choose from deepseek_r1, qwen3"):
+    with pytest.raises(ConfigError, match="choose from deepseek_r1, gpt_oss, qwen3"):
         build("granite", Tok())
     for tok, why in ((Tok(added=("<think>",)), "'</think>' is not a single token"),
                      (Tok(added=()), "'<think>' is not a single token"),

@@ -39,9 +39,13 @@ def ask(client, **kw):
 
 
 def streamed(client, **kw):
+    return added_up(ask(client, stream=True, **kw))
+
+
+def added_up(chunks):
     """(reasoning, content, tool calls, finish_reason, order of delta kinds) from a stream, as clients add it up."""
     reasoning, content, calls, finish, kinds = "", "", {}, None, []
-    for chunk in ask(client, stream=True, **kw):
+    for chunk in chunks:
         for ch in chunk.choices:
             d = ch.delta
             r = (d.model_extra or {}).get("reasoning_content")
@@ -56,6 +60,7 @@ def streamed(client, **kw):
                 call = calls.setdefault(t.index, {"name": "", "arguments": ""})
                 call["name"] += t.function.name or ""
                 call["arguments"] += t.function.arguments or ""
+                kinds.append("call")
             finish = ch.finish_reason or finish
     return reasoning or None, content or None, list(calls.values()), finish, kinds
 
