@@ -82,7 +82,7 @@ def capacity(engine, args: argparse.Namespace) -> str:
 def check_reasoning_parser(args: argparse.Namespace) -> None:
     """--reasoning-parser against the checkpoint's tokenizer, before the model loads (one-line ConfigError)."""
     if args.reasoning_parser is not None:
-        from pdserve.server.reasoning import build
+        from pdserve.server.reasoning_parsers import build
         from pdserve.tokenizer import Tokenizer
         build(args.reasoning_parser, Tokenizer.from_dir(args.model))
 

@@ -12,7 +12,7 @@ from pdserve import __version__
 from pdserve.engine.interface import EngineClient, paged
 from pdserve.errors import RequestError
 from pdserve.sampling_params import SamplingParams
-from pdserve.server import reasoning
+from pdserve.server import reasoning_parsers
 from pdserve.server.async_engine import AsyncEngine, EngineThread, Submission
 from pdserve.server.config import ServerConfig
 from pdserve.server.limits import Limits
@@ -44,7 +44,7 @@ class ServerState(Limits):
                          self.paged is not None and self.paged.computes_prompt_logprobs, engine.name)
         self.created = int(time.time())
         # --reasoning-parser, checked against this tokenizer (ConfigError: its tags are not tokens)
-        self.reasoning = reasoning.build(config.reasoning_parser, self.tokenizer)
+        self.reasoning = reasoning_parsers.build(config.reasoning_parser, self.tokenizer)
         self.version = __version__
         # Tokenizing long texts and building big responses: off the event loop, two at a time.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-cpu")

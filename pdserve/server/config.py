@@ -5,7 +5,7 @@ import argparse
 from dataclasses import dataclass
 
 from pdserve.arg_types import add_config_args, config_from_args, number_at_least, option, seconds
-from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
+from pdserve.server.reasoning_parsers import PARSERS as REASONING_PARSERS
 from pdserve.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")

@@ -86,7 +86,7 @@ class HarmonyParser(ReasoningParser):
             if [tokenizer.token_to_id(marker)] != want:
                 raise ConfigError(f"--reasoning-parser gpt_oss: this checkpoint's tokenizer does not have {marker!r} "
                                   f"at harmony's id {want[0]} (its vocabulary must be o200k_harmony, gpt-oss's)")
-        self.stop_token_ids = list(self.encoding.stop_tokens_for_assistant_actions())
+        self.stop_token_ids = sorted(self.encoding.stop_tokens_for_assistant_actions())   # a set, in any order
 
     def prompt_state(self, generation_prompt: str) -> str:
         return OPEN   # the answer is parsed from its tokens (HarmonyStream); no template text to read

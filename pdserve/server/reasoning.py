@@ -14,6 +14,8 @@ to `content`; tool-call parsing and structured outputs apply to the answer only.
   (pdserve/server/harmony.py): a parser whose `harmony` is true also renders the prompt and finds
   the tool calls.
 
+The names and `build` are in reasoning_parsers.py (the registry, above both kinds).
+
 One state machine (ReasoningStream) splits a stream and a whole text alike, so a streamed answer
 and a non-streamed one split the same way: a tag split across deltas is held back until it is
 whole. The tags must be single tokens of the checkpoint (as vLLM requires); the engine starts a
@@ -83,23 +85,6 @@ class Qwen3ReasoningParser(ReasoningParser):
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
     implicit_start = True
-
-
-def _harmony(tokenizer) -> ReasoningParser:
-    from pdserve.server.harmony import HarmonyParser   # imports openai-harmony, an extra
-    return HarmonyParser(tokenizer)
-
-
-PARSERS = {p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)} | {"gpt_oss": _harmony}
-
-
-def build(name: str | None, tokenizer) -> ReasoningParser | None:
-    """The parser --reasoning-parser names, for this tokenizer; ConfigError (one line) if it cannot work."""
-    if name is None:
-        return None
-    if name not in PARSERS:
-        raise ConfigError(f"unknown --reasoning-parser {name!r} (choose from {', '.join(sorted(PARSERS))})")
-    return PARSERS[name](tokenizer)
 
 
 @dataclass

@@ -7,7 +7,8 @@ import pytest
 
 from pdserve.errors import ConfigError, RequestError
 from pdserve.server import reasoning
-from pdserve.server.reasoning import ENDED, NONE, OPEN, build, check_template_kwargs
+from pdserve.server.reasoning import ENDED, NONE, OPEN, check_template_kwargs
+from pdserve.server.reasoning_parsers import build
 
 
 class Tok:
