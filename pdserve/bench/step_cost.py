@@ -30,7 +30,7 @@ class ModelCost:
     expert_params: int = 0
     expert_itemsize: float = 0.0    # bytes per expert weight, if not itemsize
     # what one token leaves in one layer's paged cache, in values (0: K and V, 2 x num_kv_heads x
-    # head_dim), as the model's kv_spec declares it (engine/kv_spec.py)
+    # head_dim), as the model's kv_spec declares it (models.kv_spec)
     kv_values: int = 0
     # multi-head latent attention (DeepSeek-V3; layers/mla.py): the cache holds one latent row of
     # kv_lora_rank + qk_rope_head_dim values; decodes attend over it in the absorbed form
@@ -117,7 +117,7 @@ class StepCost:
 
 def cache_of(m: ModelConfig) -> dict:
     """kv_values and mla of a model, from its kv_spec (one plane: MLA's latent row)."""
-    from pdserve.engine.kv_spec import kv_spec
+    from pdserve.models import kv_spec
     spec = kv_spec(m)
     mla = None
     if spec.planes == 1:

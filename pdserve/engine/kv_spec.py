@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class KVSpec:
     planes: int   # rows per token and layer: 2 (K and V) or 1 (MLA's latent)

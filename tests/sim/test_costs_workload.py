@@ -11,7 +11,7 @@ from pdserve.bench.datasets import add_dataset_arguments, make_requests
 from pdserve.bench.client import arrival_offsets
 from pdserve.bench.step_cost import ModelCost, step_cost
 from pdserve.config import ModelConfig
-from pdserve.engine.kv_spec import kv_spec
+from pdserve.models import kv_spec
 from pdserve.engine.cost_model import StepCostModel
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
