@@ -44,9 +44,12 @@ def held_bytes_per_weight(model: torch.nn.Module) -> dict[str, float]:
     held = {"linear": [0, 0], "lm_head": [0, 0], "experts": [0, 0]}
     for name, m in model.named_modules():
         if isinstance(m, FusedMoE):
-            parts = [m.gate_up_proj, m.down_proj]
+            # the stacked experts in whatever form they are held: dense, int8 codes + scales
+            # (--quantization int8), MXFP4 blocks + scales; biases are not weights of the products
+            parts = [t for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+                     if n.startswith(("gate_up_proj", "down_proj")) and not n.endswith("_bias")]
             held["experts"][0] += sum(p.nbytes for p in parts)
-            held["experts"][1] += sum(p.numel() for p in parts)
+            held["experts"][1] += 3 * m.num_experts * m.intermediate_size * m.hidden_size
         elif hasattr(m, "in_features") and hasattr(m, "out_features"):
             tensors = [m.weight] if isinstance(m, torch.nn.Linear) else \
                 [b for n, b in m.named_buffers(recurse=False) if n in ("packed", "scale", "offset")]
