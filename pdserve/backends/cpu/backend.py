@@ -15,7 +15,7 @@ from torch import nn
 
 from pdserve.backends.base import Backend
 from pdserve.backends.cpu import hugepages, kernels
-from pdserve.backends.cpu.layers import quantize_experts, use_kernel_layers
+from pdserve.backends.cpu.layers import experts_on_hugepages, quantize_experts, use_kernel_layers
 from pdserve.backends.cpu.metadata import build_step_metadata
 from pdserve.backends.cpu.packed_linear import PackedLinear, pack_model
 from pdserve.backends.cpu.quant_linear import QuantLinear
@@ -43,6 +43,7 @@ class CpuBackend(Backend):
         pack_model(model, self.weight_format, embed_module_name(m) if m.tie_word_embeddings else None)
         use_kernel_layers(model, attention=self.attention_kernels)
         int8_experts = self.weight_format == "int8" and quantize_experts(model)   # the MoE layers' experts too
+        experts_on_hugepages(model)
         self.fused_argmax = isinstance(model.lm_head, PackedLinear)   # a quantized lm_head: argmax of its logits
         formats = {m.fmt for n, m in model.named_modules()
                    if isinstance(m, (PackedLinear, QuantLinear)) and n != "lm_head"}

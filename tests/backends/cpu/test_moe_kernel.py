@@ -68,6 +68,46 @@ def test_the_layer_swap_runs_the_kernel_in_the_models_dtype():
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+def test_many_tokens_an_expert_take_the_gemms_few_the_kernel(monkeypatch):
+    """A step whose selected experts get GEMM_TOKENS_PER_EXPERT pairs each (a prefill chunk) runs
+    the torch layer's per-expert GEMMs; a decode-sized step runs the kernel."""
+    from pdserve.backends.cpu import layers
+    calls = []
+    ops = cpu_ops()
+
+    class Counting:
+        def fused_moe(self, *args, **kwargs):
+            calls.append(args[0].shape[0])
+            return ops.fused_moe(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "cpu_ops", lambda: Counting())
+    for dtype in (torch.float32, torch.bfloat16):
+        moe = experts(8, 64, 32, dtype)
+        for T, kernel in ((1, True), (3, True), (64, False)):   # 2 or 6 pairs on distinct experts; 128 on 8
+            x, weights, ids = routed(T, 64, 8, 2)
+            want = moe(x.to(dtype), weights, ids)
+            moe.__class__ = CpuFusedMoE
+            calls.clear()
+            got = moe(x.to(dtype), weights, ids)
+            moe.__class__ = FusedMoE
+            assert calls == ([T] if kernel else []), (dtype, T)
+            if not kernel:   # the torch layer itself
+                assert torch.equal(got, want)
+
+
+def test_experts_move_onto_huge_pages_unchanged():
+    from pdserve.backends.cpu.layers import experts_on_hugepages
+    moe = gpt_oss_experts(8, 64, 32, mxfp4=True)
+    moe.__class__ = CpuFusedMoE
+    before = {n: (t.detach().clone(), t.data_ptr()) for n, t in moe.named_parameters()}
+    assert experts_on_hugepages(torch.nn.ModuleDict({"mlp": moe})) == 4   # blocks and scales of both stacks
+    for n, t in moe.named_parameters():
+        assert torch.equal(t, before[n][0])
+        assert (t.data_ptr() != before[n][1]) == (not n.endswith("_bias")), n
+    x, weights, ids = routed(2, 64, 8, 2)
+    assert torch.isfinite(moe(x, weights, ids)).all()
+
+
 def test_bad_arguments_are_refused():
     moe = experts(4, 32, 16, torch.float32)
     x, weights, ids = routed(3, 32, 4, 2)

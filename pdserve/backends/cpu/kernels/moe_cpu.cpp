@@ -27,18 +27,27 @@ namespace {
 constexpr int64_t kBlock = 16;   // output channels per task
 constexpr int kTokens = 4;       // tokens per weight-row load
 
-// out[j] = dot(w, x[j]) for n (<= kTokens) rows x[j] of length len: w's vectors loaded once for all
+// out[j] = dot(w, x[j]) for n (<= kTokens) rows x[j] of length len: w's vectors loaded once for all.
+// Two accumulators a token (even and odd vectors): with one or two tokens, a single chain of
+// dependent FMAs would bound a decode step's row to one vector per FMA latency, below the read rate.
 template <typename W>
 inline void dots(const W* w, const float* const* x, int n, int64_t len, float* out) {
-  fVec acc[kTokens];
-  for (int j = 0; j < kTokens; ++j) acc[j] = fVec(0.f);
+  fVec acc[kTokens], acc2[kTokens];
+  for (int j = 0; j < kTokens; ++j) acc[j] = acc2[j] = fVec(0.f);
   int64_t i = 0;
+  for (; i + 2 * kVec <= len; i += 2 * kVec) {
+    const fVec wv = pdserve::load<W>(w + i), wv2 = pdserve::load<W>(w + i + kVec);
+    for (int j = 0; j < n; ++j) {
+      acc[j] = at::vec::fmadd(wv, fVec::loadu(x[j] + i), acc[j]);
+      acc2[j] = at::vec::fmadd(wv2, fVec::loadu(x[j] + i + kVec), acc2[j]);
+    }
+  }
   for (; i + kVec <= len; i += kVec) {
     const fVec wv = pdserve::load<W>(w + i);
     for (int j = 0; j < n; ++j) acc[j] = at::vec::fmadd(wv, fVec::loadu(x[j] + i), acc[j]);
   }
   for (int j = 0; j < n; ++j) {
-    float s = pdserve::reduce_add(acc[j]);
+    float s = pdserve::reduce_add(acc[j] + acc2[j]);
     for (int64_t r = i; r < len; ++r) s += static_cast<float>(w[r]) * x[j][r];
     out[j] = s;
   }
