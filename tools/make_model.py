@@ -530,6 +530,7 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
     model.save_pretrained(out_dir, safe_serialization=True)
     save_tokenizer(tok, arch, out_dir, config.get_text_config().max_position_embeddings)
     if mxfp4:
+        del model   # the file is rewritten from disk: the model's memory is free for the quantizer
         write_mxfp4_experts(out_dir)
     return out_dir
 
@@ -540,14 +541,19 @@ def write_mxfp4_experts(out_dir: str) -> None:
     (E, out, in / 32, 16) and `<name>_scales` uint8 (E, out, in / 32) of the (E, out, in)
     transpose (pdserve/quantization/mxfp4.py's quantize), and config.json's quantization_config
     quant_method mxfp4 with the modules gpt-oss leaves unquantized."""
+    import torch
     from safetensors.torch import load_file, save_file
     from pdserve.quantization.mxfp4 import quantize
 
     file = os.path.join(out_dir, "model.safetensors")
     tensors = load_file(file)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        blocks, scales = quantize(tensors.pop(name).transpose(1, 2))
-        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        # one expert at a time: quantize's temporaries are ~30 bytes a weight (gpt-oss-20b's shape
+        # at once ran out of 24 GB)
+        parts = [quantize(w.transpose(0, 1)) for w in tensors.pop(name)]
+        tensors[f"{name}_blocks"] = torch.stack([b for b, _ in parts])
+        tensors[f"{name}_scales"] = torch.stack([s for _, s in parts])
+        del parts
     save_file(tensors, file, metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json")) as f:
         config = json.load(f)
