@@ -22,7 +22,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.layers.attention import PagedAttention
-from pdserve.layers.moe import FusedMoE
+from pdserve.layers.moe import FusedMoE, Router, Routing
 from pdserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaVariant, llama_variant
 from pdserve.models.llama import refuse, windows_of
 from pdserve.models.moe_llama import MoEForCausalLM, num_experts_of
@@ -33,12 +33,14 @@ def gate_first(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
 
 
-class GptOssRouter(nn.Module):
+class GptOssRouter(Router):
     """logits = x W^T + b over the E experts; each token's top k logits, softmaxed among themselves
-    in the logits' dtype (transformers' GptOssTopKRouter)."""
+    in the logits' dtype (transformers' GptOssTopKRouter). A Router, with its own forward, so that
+    what counts the routers' choices (pdserve roofline, the step-cost model) finds it."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int):
-        super().__init__()
+        nn.Module.__init__(self)
+        self.routing = Routing(num_experts=num_experts, top_k=top_k)
         self.top_k = top_k
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(num_experts))

@@ -40,6 +40,15 @@ def test_moe_counts_match_the_engine_model(make_tiny, arch, moe_layers):
     assert m.expert_params == experts[0].gate_up_proj[0].numel() + experts[0].down_proj[0].numel()
 
 
+def test_gpt_oss_router_is_found(make_tiny):
+    # gpt-oss's router (a bias, top-k before the softmax) is a Router too: its layers, experts and
+    # top k are counted, and the roofline's counter hooks it
+    from pdserve.bench.roofline import ExpertCounter
+    m, model = moe_cost(make_tiny("gpt_oss"))
+    assert (m.moe_layers, m.num_experts, m.top_k) == (2, 8, 2)
+    assert len(ExpertCounter(model).handles) == 2
+
+
 def test_the_expert_read_line_moves_with_batch(make_tiny):
     m, _ = moe_cost(make_tiny("qwen3_moe"))   # 2 MoE layers of 8 experts, top 2
     E, k, L = 8, 2, 2
