@@ -87,31 +87,45 @@ def read_line(model: str, model_args: list[str], out: str, rounds: int, timeout:
             "read_ms": b1["bytes"] / mid(bws) * 1e3, "weight_bytes": b1["bytes"]}
 
 
+def serve_and_bench(rec: dict, make_server, label: str, out_prefix: str, name: str, args, seed: int,
+                    log=None) -> bool:
+    """Start the server make_server() builds (peers install and convert there), warm it up, run the c32
+    and c1 workloads on it into rec[...] (each written to out_prefix-WORKLOAD.json), stop it. False,
+    with rec saying why, where it did not start: a peer that cannot install, convert or start is a result.
+    log: the caller's progress lines (default: this module's)."""
+    log = log or say
+    try:
+        server = make_server()
+        log(f"{label}: starting")
+        server.start(timeout=args.start_timeout)
+    except Exception as e:  # noqa: BLE001
+        rec.update(status="start failed", error=str(e)[:2000])
+        log(f"{label}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        return False
+    rec.update(status="ok", ready_s=round(server.ready_s, 1), server_cmd=server.cmd)
+    log(f"{label}: ready after {server.ready_s:.1f} s")
+    try:
+        run_bench(server, name, WARMUP, seed, os.path.join(args.out_dir, "warmup.json"), args.timeout)
+        for i, wl in enumerate(w for w in WORKLOADS["0.5b"] if w.name in ("c32", "c1")):
+            rec[wl.name] = run_bench(server, name, wl, seed + 1 + i, f"{out_prefix}-{wl.name}.json",
+                                     args.timeout)   # fresh prompts each
+            m = rec[wl.name].get("metrics", {})
+            log(f"{label} {wl.name}: {rec[wl.name]['status']}"
+                + (f", {m['output_throughput']:.1f} tok/s, TPOT {m['mean_tpot_ms']:.1f} ms" if m else ""))
+    finally:
+        server.stop()
+    return True
+
+
 def run_one(model: str, dtype: str, system: str, args, seed: int) -> dict:
     name = os.path.basename(os.path.normpath(model))
     rec = dict(model=name, model_dir=model, dtype=dtype, system=system, date=f"{datetime.now():%Y-%m-%d %H:%M}",
                busy_cores_before=busy_cores(), loadavg_before=loadavg())
     log_path = os.path.join(args.out_dir, "logs", f"{name}-{dtype}-{system}.log")
-    try:
-        server = make_server(system, model, dtype, args.peers_dir, log_path)
-        say(f"{name} {dtype} {system}: starting")
-        server.start(timeout=args.start_timeout)
-    except Exception as e:  # noqa: BLE001  a peer that cannot install, convert or start is a result
-        rec.update(status="start failed", error=str(e)[:2000])
-        say(f"{name} {dtype} {system}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    if not serve_and_bench(rec, lambda: make_server(system, model, dtype, args.peers_dir, log_path),
+                           f"{name} {dtype} {system}", os.path.join(args.out_dir, f"{name}-{dtype}-{system}"),
+                           name, args, seed):
         return rec
-    rec.update(status="ok", ready_s=round(server.ready_s, 1), server_cmd=server.cmd)
-    say(f"{name} {dtype} {system}: ready after {server.ready_s:.1f} s")
-    try:
-        run_bench(server, name, WARMUP, seed, os.path.join(args.out_dir, "warmup.json"), args.timeout)
-        for i, wl in enumerate(w for w in WORKLOADS["0.5b"] if w.name in ("c32", "c1")):
-            out = os.path.join(args.out_dir, f"{name}-{dtype}-{system}-{wl.name}.json")
-            rec[wl.name] = run_bench(server, name, wl, seed + 1 + i, out, args.timeout)   # fresh prompts each
-            m = rec[wl.name].get("metrics", {})
-            say(f"{name} {dtype} {system} {wl.name}: {rec[wl.name]['status']}"
-                + (f", {m['output_throughput']:.1f} tok/s, TPOT {m['mean_tpot_ms']:.1f} ms" if m else ""))
-    finally:
-        server.stop()
     if system == "pdserve" and args.read_rounds:
         rec["read_line"] = read_line(model, ["--dtype", dtype], os.path.join(args.out_dir, f"{name}-{dtype}-roofline.json"),
                                      args.read_rounds, args.timeout)
@@ -165,6 +179,15 @@ def table(recs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def report(table_text: str) -> str:
+    """The machine and the workloads, then the table: the text of a --doc block."""
+    info = machine_info()
+    return (f"{info.get('model name', '?')}, {info.get('cores')} cores (AVX-512: "
+            f"{'yes' if info.get('avx512') else 'no'}); random 128 in / 128 out, 64 requests at concurrency 32 (c32) "
+            f"and 128 in / 32 out one at a time (c1), `pdserve bench`; each record's date, load and command are in its "
+            f"JSON.\n\n" + table_text)
+
+
 def write_doc(path: str, text: str, block: str = "families") -> None:
     replace_block(path, block, SECTIONS[block], text)
 
@@ -198,12 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 fn = f"record-{rec['model']}-{dtype}-{system}.json"
                 with open(os.path.join(args.out_dir, fn), "w", encoding="utf-8") as f:
                     json.dump(rec, f, indent=1)
-    recs = load_records(args.out_dir)
-    info = machine_info()
-    text = (f"{info.get('model name', '?')}, {info.get('cores')} cores (AVX-512: "
-            f"{'yes' if info.get('avx512') else 'no'}); random 128 in / 128 out, 64 requests at concurrency 32 (c32) and "
-            f"128 in / 32 out one at a time (c1), `pdserve bench`; each record's date, load and command are in its JSON.\n\n"
-            + table(recs))
+    text = report(table(load_records(args.out_dir)))
     print(text)
     if args.doc:
         write_doc(args.doc, text, args.block)

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from benchmarks import peers
-from benchmarks.compare import busy_cores, loadavg, machine_info
-from benchmarks.families import fmt, load_records, read_line, reason
-from benchmarks.neighbour import run_bench
+from benchmarks.compare import busy_cores, loadavg
+from benchmarks.families import fmt, load_records, read_line, reason, report, serve_and_bench
 from benchmarks.report_md import replace_block
-from benchmarks.workloads import WARMUP, WORKLOADS
 from pdserve.bench import servers
 
 SECTION = "### Every weight format against its full precision and the peers (issue 45)"
@@ -95,27 +93,15 @@ def run_one(v: Variant, model: str, args, seed: int) -> dict:
     rec = dict(model=name, model_dir=model, variant=v.name, system=v.system, weights=v.weights, isa=v.isa,
                date=f"{datetime.now():%Y-%m-%d %H:%M}", busy_cores_before=busy_cores(), loadavg_before=loadavg())
     log_path = os.path.join(args.out_dir, "logs", f"{name}-{v.name}.log")
-    try:
-        path = weights_path(v, model, args)
-        server = make_server(v, model, path, args, log_path)
-        say(f"{v.name}: starting on {path}")
-        server.start(timeout=args.start_timeout)
-    except Exception as e:  # noqa: BLE001  a peer that cannot install, convert or start is a result
-        rec.update(status="start failed", error=str(e)[:2000])
-        say(f"{v.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    served = []
+
+    def make():
+        served.append(weights_path(v, model, args))
+        return make_server(v, model, served[0], args, log_path)
+
+    if not serve_and_bench(rec, make, v.name, os.path.join(args.out_dir, f"{name}-{v.name}"), name, args, seed, say):
         return rec
-    rec.update(status="ok", ready_s=round(server.ready_s, 1), server_cmd=server.cmd, served=path)
-    say(f"{v.name}: ready after {server.ready_s:.1f} s")
-    try:
-        run_bench(server, name, WARMUP, seed, os.path.join(args.out_dir, "warmup.json"), args.timeout)
-        for i, wl in enumerate(w for w in WORKLOADS["0.5b"] if w.name in ("c32", "c1")):
-            out = os.path.join(args.out_dir, f"{name}-{v.name}-{wl.name}.json")
-            rec[wl.name] = run_bench(server, name, wl, seed + 1 + i, out, args.timeout)   # fresh prompts each
-            m = rec[wl.name].get("metrics", {})
-            say(f"{v.name} {wl.name}: {rec[wl.name]['status']}"
-                + (f", {m['output_throughput']:.1f} tok/s, TPOT {m['mean_tpot_ms']:.1f} ms" if m else ""))
-    finally:
-        server.stop()
+    path = rec["served"] = served[0]
     if v.system == "pdserve" and args.read_rounds and not v.isa:
         rec["read_line"] = read_line(path, PDSERVE_ARGS.get(v.weights, []),
                                      os.path.join(args.out_dir, f"{name}-{v.name}-roofline.json"),
@@ -178,12 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             rec = run_one(by_name[name], args.model, args, args.seed + 10 * i)   # fresh prompts per server
             with open(os.path.join(args.out_dir, f"record-{rec['model']}-{name}.json"), "w", encoding="utf-8") as f:
                 json.dump(rec, f, indent=1)
-    recs = [r for r in load_records(args.out_dir) if "variant" in r]
-    info = machine_info()
-    text = (f"{info.get('model name', '?')}, {info.get('cores')} cores (AVX-512: "
-            f"{'yes' if info.get('avx512') else 'no'}); random 128 in / 128 out, 64 requests at concurrency 32 (c32) and "
-            f"128 in / 32 out one at a time (c1), `pdserve bench`; each record's date, load and command are in its JSON.\n\n"
-            + table(recs))
+    text = report(table([r for r in load_records(args.out_dir) if "variant" in r]))
     print(text)
     if args.doc:
         replace_block(args.doc, "quantized", SECTION, text)
