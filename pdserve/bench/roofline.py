@@ -45,10 +45,8 @@ def held_bytes_per_weight(model: torch.nn.Module) -> dict[str, float]:
     for name, m in model.named_modules():
         if isinstance(m, FusedMoE):
             # the stacked experts in whatever form they are held: dense, int8 codes + scales
-            # (--quantization int8), MXFP4 blocks + scales; biases are not weights of the products
-            parts = [t for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
-                     if n.startswith(("gate_up_proj", "down_proj")) and not n.endswith("_bias")]
-            held["experts"][0] += sum(p.nbytes for p in parts)
+            # (--quantization int8), MXFP4 blocks + scales
+            held["experts"][0] += sum(p.nbytes for p in m.held_weights())
             held["experts"][1] += 3 * m.num_experts * m.intermediate_size * m.hidden_size
         elif hasattr(m, "in_features") and hasattr(m, "out_features"):
             tensors = [m.weight] if isinstance(m, torch.nn.Linear) else \

@@ -174,6 +174,12 @@ class FusedMoE(nn.Module):
         ys = (ys.float() * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, ys)
 
+    def held_weights(self) -> list[torch.Tensor]:
+        """The stacked experts' tensors in the form this layer holds them (dense; MXFP4 blocks and
+        scales; a CPU subclass's int8 codes and scales), not the biases: what a step streams."""
+        return [t for n, t in [*self.named_parameters(recurse=False), *self.named_buffers(recurse=False)]
+                if n.startswith(("gate_up_proj", "down_proj")) and not n.endswith("_bias")]
+
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
                 + (", mxfp4" if self.mxfp4 else ""))

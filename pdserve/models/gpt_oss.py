@@ -41,12 +41,11 @@ class GptOssRouter(Router):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int):
         nn.Module.__init__(self)
         self.routing = Routing(num_experts=num_experts, top_k=top_k)
-        self.top_k = top_k
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top, ids = torch.topk(F.linear(x, self.weight, self.bias), self.top_k, dim=-1)
+        top, ids = torch.topk(F.linear(x, self.weight, self.bias), self.routing.top_k, dim=-1)
         return torch.softmax(top, dim=1, dtype=top.dtype).float(), ids
 
 

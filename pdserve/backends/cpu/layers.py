@@ -166,12 +166,11 @@ def experts_on_hugepages(model: nn.Module) -> int:
     moved = 0
     for m in model.modules():
         if isinstance(m, CpuFusedMoE):
-            for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
-                if name.startswith(("gate_up_proj", "down_proj")) and not name.endswith("_bias"):
-                    huge = hugepages.empty(t.shape, dtype=t.dtype)
-                    huge.copy_(t.detach())
-                    t.data = huge
-                    moved += 1
+            for t in m.held_weights():
+                huge = hugepages.empty(t.shape, dtype=t.dtype)
+                huge.copy_(t.detach())
+                t.data = huge
+                moved += 1
     hugepages.trim_heap()
     return moved
 
