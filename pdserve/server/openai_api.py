@@ -418,21 +418,26 @@ async def _chat_response(s, body, sub, head, prompt, tools, think) -> Response:
     return await _json_response(s, choices, max(k if body.logprobs else 0, body.prompt_logprobs or 0), build)
 
 
-def _chat_message(s, c: RequestOutput, tools, think) -> tuple[dict, dict]:
-    """A finished choice's message and ending: its reasoning split off, its tool calls parsed."""
+def answer_fields(s, tools, think, c: RequestOutput) -> dict:
+    """A finished answer as a chat message's fields (content, the reasoning under both names with a
+    --reasoning-parser, tool_calls where it made some): the reasoning split off, the tool calls
+    parsed. The Responses API builds its output from the same fields."""
     if think is not None and s.reasoning.harmony:   # from the tokens, harmony's markers included
-        message = {"role": "assistant", **s.reasoning.message(c.token_ids)}
-        return message, _tool_finish(_ending(c), "tool_calls" in message)
+        return s.reasoning.message(c.token_ids)
     text, thought = c.text, {}
     if think is not None:   # the answer is what follows the thinking
         r, text = s.reasoning.split(c.text, think)
         thought = reasoning.message_fields(r)
-    message, ending = {"role": "assistant", "content": text, **thought}, _ending(c)
-    if tools.mode != "none" and text is not None:
-        content, calls = tool_calls.extract(tools, text, c.finish_reason)
-        message = {"role": "assistant", "content": content, **thought, **({"tool_calls": calls} if calls else {})}
-        ending = _tool_finish(ending, bool(calls))
-    return message, ending
+    if tools.mode == "none" or text is None:
+        return {"content": text, **thought}
+    content, calls = tool_calls.extract(tools, text, c.finish_reason)
+    return {"content": content, **thought, **({"tool_calls": calls} if calls else {})}
+
+
+def _chat_message(s, c: RequestOutput, tools, think) -> tuple[dict, dict]:
+    """A finished choice's message and ending ("tool_calls" where it called some)."""
+    message = {"role": "assistant", **answer_fields(s, tools, think, c)}
+    return message, _tool_finish(_ending(c), "tool_calls" in message)
 
 
 def _chat_events(s, body, sub, head, prompt, tools, think):

@@ -11,8 +11,8 @@ the way chat parses it. Only the shape of the result differs: chat's message fie
 `function_call` items, and while streaming the Responses events, numbered here.
 
 Reasoning (--reasoning-parser): the chat path's split (pdserve/server/reasoning.py) of a finished
-answer (`_answer`) and of a streamed one (`_delta_source`) gives `reasoning_content`, which
-OutputBuilder makes a reasoning item; tool calls and text.format apply to the answer after it.
+answer (chat's own `openai_api.answer_fields`) and of a streamed one (`_delta_source`) gives
+`reasoning_content`, which OutputBuilder makes a reasoning item; tool calls and text.format apply to the answer after it.
 """
 import contextlib
 import time
@@ -27,7 +27,7 @@ from pdserve.errors import RequestError
 from pdserve.server import reasoning, tool_calls
 from pdserve.server.admission import ServerState, get_state
 from pdserve.server.errors import APIError
-from pdserve.server.openai_api import reasoning_start, render_prompt
+from pdserve.server.openai_api import answer_fields, reasoning_start, render_prompt
 from pdserve.server.responses_output import OutputBuilder, message_deltas, new_id
 from pdserve.server.responses_protocol import InputItem, ResponsesRequest, join_text, refuse_unsupported
 from pdserve.server.responses_store import ResponseStore
@@ -113,20 +113,6 @@ def reasoning_effort(body: ResponsesRequest) -> str | None:
 
 
 # ---- what the answer is
-
-def _answer(s: ServerState, plan: tool_calls.ToolPlan, think: str | None, out: RequestOutput) -> dict:
-    """A finished answer as chat's message fields: reasoning_content (with --reasoning-parser),
-    content and tool_calls, split and parsed as chat does."""
-    if think is not None and s.reasoning.harmony:   # gpt_oss: from the tokens, calls included
-        return s.reasoning.message(out.token_ids)
-    text, thought = out.text, None
-    if think is not None:   # the answer is what follows the thinking
-        thought, text = s.reasoning.split(out.text, think)
-    if plan.mode == "none" or text is None:
-        return {"reasoning_content": thought, "content": text}
-    content, calls = tool_calls.extract(plan, text, out.finish_reason)
-    return {"reasoning_content": thought, "content": content, "tool_calls": calls}
-
 
 def _delta_source(s: ServerState, plan: tool_calls.ToolPlan, think: str | None):
     """(new_text, finished, finish_reason, new_token_ids) -> chat's stream deltas for one streamed
@@ -297,7 +283,7 @@ async def _admit(body: ResponsesRequest, request: Request, arrival: float):
 async def _respond(turn: _Turn, sub, plan) -> JSONResponse:
     out = (await sub.collect())[0]
     builder = OutputBuilder()
-    for delta in message_deltas(_answer(turn.s, plan, turn.think, out)):
+    for delta in message_deltas(answer_fields(turn.s, plan, turn.think, out)):
         builder.feed(delta)
     status = _status(out)
     builder.finish(_last_item_status(plan, builder.items, status))
