@@ -83,8 +83,8 @@ class BlockManager:
                 del self.free_blocks[b]
             self.ref_counts[b] += 1
             seq.block_table.append(b)
-        seq.num_cached_blocks = len(hits)
-        seq.cache_parent = self.block_entry[hits[-1]] if hits else self._root(seq)
+        seq.prefix.num_cached_blocks = len(hits)
+        seq.prefix.parent = self.block_entry[hits[-1]] if hits else self._root(seq)
         if self.enable_caching:
             self.num_queries += seq.num_tokens
             self.num_hits += len(hits) * self.block_size
@@ -101,7 +101,7 @@ class BlockManager:
                 if caching and self.block_hash[block] is None:   # nothing to keep: hand it out first
                     self.free_blocks.move_to_end(block, last=False)
         seq.block_table = []
-        seq.num_cached_blocks = 0
+        seq.prefix.num_cached_blocks = 0
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free the tail blocks of seq's table beyond `num_tokens` slots (a speculation's rejected
@@ -127,7 +127,7 @@ class BlockManager:
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """seq's chained hashes of its first `num_blocks` full blocks (kept on seq: tokens only grow)."""
-        hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
+        hashes, bs, tokens = seq.prefix.hashes, self.block_size, seq.token_ids
         if len(hashes) < num_blocks:
             h = hashes[-1] if hashes else hash(self._root(seq))
             for i in range(len(hashes), num_blocks):
@@ -159,10 +159,10 @@ class BlockManager:
         """Register seq's blocks that are full and computed (num_computed_tokens) but not yet cached."""
         bs, tokens = self.block_size, seq.token_ids
         full = seq.num_computed_tokens // bs
-        parent = seq.cache_parent
+        parent = seq.prefix.parent
         if parent is not None:
             hashes = self._block_hashes(seq, full)
-            for i in range(seq.num_cached_blocks, full):
+            for i in range(seq.prefix.num_cached_blocks, full):
                 b, h = seq.block_table[i], hashes[i]
                 key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
                 other = self.cached.get(h)
@@ -175,8 +175,8 @@ class BlockManager:
                 else:                                # a hash collision: cache no more of this sequence
                     parent = None
                     break
-        seq.num_cached_blocks = full
-        seq.cache_parent = parent
+        seq.prefix.num_cached_blocks = full
+        seq.prefix.parent = parent
 
     def _evict(self, block: int) -> None:
         h = self.block_hash[block]

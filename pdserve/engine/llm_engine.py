@@ -421,5 +421,5 @@ class LLMEngine:
         except Exception:
             logger.exception("the final output of request %s failed", seq.request_id)
             seq.finish_reason, seq.stop_reason = "error", None
-            return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.text, [], "",
+            return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.output.text, [], "",
                                  None, True, "error", seq.metrics, None)

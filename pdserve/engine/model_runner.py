@@ -96,7 +96,7 @@ class ModelRunner:
             else:
                 ids = seq.token_ids[first:first + n]
                 if len(ids) < n:   # a verification: the last token, then the drafts (pdserve/spec_decode)
-                    ids += seq.draft_token_ids[:n - len(ids)]
+                    ids += seq.draft.token_ids[:n - len(ids)]
                 input_ids.extend(ids)
                 pos = range(first, first + n)
                 positions.extend(pos)

@@ -50,7 +50,7 @@ class OutputProcessor:
             seq.pending_matcher = matcher   # constrains from the token after grammar_after_token
         else:
             seq.matcher = matcher
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        seq.output.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         # what _check_stop looks for, folded: a token that can stop it, the length it stops at
         # (within the context limit: checked above)
         seq.stop_token_ids = frozenset(params.stop_token_ids)
@@ -75,10 +75,10 @@ class OutputProcessor:
         if seq.prompt_logprobs is not None and len(seq.token_ids) == seq.num_prompt_tokens + 1:
             self._decode_prompt_logprobs(seq)   # complete now: the prefill has passed every position
         added = 0   # characters this token added to the text (a long token or held-back bytes: many)
-        if not seq.defer_text:
-            piece = seq.detokenizer.add(token)
-            seq.text += piece
-            seq.text_tokens += 1
+        if not seq.output.deferred:
+            piece = seq.output.detokenizer.add(token)
+            seq.output.text += piece
+            seq.output.num_tokens += 1
             added = len(piece)
         # Most tokens stop nothing: only a stop token id, the length limit or a stop string can
         # (sequences not made by new_sequence have no stop_ids: always checked in full).
@@ -118,48 +118,49 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = reason, stop
             if not isinstance(stop, str):  # emit bytes held back for an incomplete character
                 self.catch_up_text(seq)
-                seq.text += seq.detokenizer.flush()
+                seq.output.text += seq.output.detokenizer.flush()
 
     @staticmethod
     def catch_up_text(seq: Sequence) -> None:
-        """Detokenize the output tokens a deferred sequence (Sequence.defer_text) has not yet."""
-        start = seq.num_prompt_tokens + seq.text_tokens
+        """Detokenize the output tokens a deferred sequence (OutputText.deferred) has not yet."""
+        start = seq.num_prompt_tokens + seq.output.num_tokens
         if start < len(seq.token_ids):
-            add = seq.detokenizer.add
-            seq.text += "".join([add(t) for t in seq.token_ids[start:]])
-            seq.text_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+            add = seq.output.detokenizer.add
+            seq.output.text += "".join([add(t) for t in seq.token_ids[start:]])
+            seq.output.num_tokens = len(seq.token_ids) - seq.num_prompt_tokens
 
     @staticmethod
     def _check_stop_strings(seq: Sequence, added: int):
         # A new match ends in the text this token added (one token can add many characters): it
         # starts at most len(stop) - 1 characters before that text.
         longest = max(len(s) for s in seq.params.stop)
-        tail_start = max(0, len(seq.text) - added - longest + 1)
-        hits = [(seq.text.find(s, tail_start), s) for s in seq.params.stop]
+        tail_start = max(0, len(seq.output.text) - added - longest + 1)
+        hits = [(seq.output.text.find(s, tail_start), s) for s in seq.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return None, None
         i, s = min(hits)
-        seq.text = seq.text[:i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+        out = seq.output
+        out.text = out.text[:i + len(s)] if seq.params.include_stop_str_in_output else out.text[:i]
         return "stop", s
 
     @classmethod
     def make_output(cls, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        if seq.defer_text:
+        if seq.output.deferred:
             cls.catch_up_text(seq)
         # While a stop string could still be forming, hold back its possible prefix from the stream.
         finished = seq.is_finished
         stop = seq.params.stop
         if finished or not stop:
-            upto = len(seq.text)
+            upto = len(seq.output.text)
         else:
-            upto = max(seq.sent_text_len, len(seq.text) - max(map(len, stop)) + 1)
-        new_text = seq.text[seq.sent_text_len:upto]
-        seq.sent_text_len = upto
+            upto = max(seq.output.sent_len, len(seq.output.text) - max(map(len, stop)) + 1)
+        new_text = seq.output.text[seq.output.sent_len:upto]
+        seq.output.sent_len = upto
         token_ids = ListPrefix(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
         logprobs = None if seq.logprobs is None else ListPrefix(seq.logprobs, 0, len(seq.logprobs))
         # positional: keywords cost 0.3 us more, per request and step
-        out = RequestOutput(seq.request_id, seq.prompt_token_ids, token_ids, seq.text, new_tokens, new_text,
+        out = RequestOutput(seq.request_id, seq.prompt_token_ids, token_ids, seq.output.text, new_tokens, new_text,
                             logprobs, finished, seq.finish_reason, seq.metrics, seq.stop_reason)
         out.prompt_logprobs = seq.prompt_logprobs
         return out

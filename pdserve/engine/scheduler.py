@@ -127,7 +127,7 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             prefill = computed < seq.prefill_len
-            drafts = seq.draft_token_ids   # a speculating decode: its last token and the drafts
+            drafts = seq.draft.token_ids   # a speculating decode: its last token and the drafts
             n = min(len(seq.token_ids) - computed + len(drafts), budget)
             if drafts and n <= len(drafts):
                 del drafts[max(0, n - 1):]
@@ -205,7 +205,7 @@ class Scheduler:
         caching, block_size = bm.enable_caching, bm.block_size
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens = computed = seq.num_computed_tokens + n
-            if caching and computed >= (seq.num_cached_blocks + 1) * block_size:   # a block filled up
+            if caching and computed >= (seq.prefix.num_cached_blocks + 1) * block_size:   # a block filled up
                 bm.cache_full_blocks(seq)
 
     def _prefill_budget(self, out: SchedulerOutput, budget: int) -> int:
@@ -260,8 +260,8 @@ class Scheduler:
         """Evict by recompute: free the blocks, requeue at the front; its tokens are kept."""
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.num_computed_tokens = seq.draft_computed = 0
-        seq.draft_token_ids = []
+        seq.num_computed_tokens = seq.draft.computed = 0
+        seq.draft.token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         # to the front, but behind the pulled requests there (they hold their prompt's blocks and

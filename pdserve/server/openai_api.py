@@ -329,7 +329,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.max_completion_tokens is not None or body.max_tokens is not None:
         s.check_cost(body.n, body.max_completion_tokens or body.max_tokens, logprobs)
     harmony = s.reasoning is not None and s.reasoning.harmony
-    tools = tool_calls.plan(body, s.config.tool_call_parser, harmony)
+    tools = tool_calls.plan(body, s.config.tool_call_parser, harmony) \
+        if body.tools is not None or body.tool_choice is not None else tool_calls.NO_TOOLS
     grammar = body.grammar_spec()
     if tools.grammar is not None:
         if grammar is not None:

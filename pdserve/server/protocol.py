@@ -174,9 +174,11 @@ class ChatMessage(_Strict):
         content = self.content if isinstance(self.content, str) or self.content is None else \
             "\n".join(p.text for p in self.content)
         d = {"role": self.role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            d = template_message({**d, "tool_calls": self.tool_calls})
         thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
         if thought is not None:
             d["reasoning_content"] = d["reasoning"] = thought
@@ -201,10 +203,11 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
         prompt hashes, pdserve/routing.py, both render this): the messages, earlier tool calls'
         arguments as objects, and the template's variables: chat_template_kwargs (checked:
         RequestError) and the tools offered."""
-        template_vars = check_template_kwargs(self.chat_template_kwargs)
+        # a plain request (no template variables, no tools, no earlier calls) runs no code of theirs
+        template_vars = check_template_kwargs(self.chat_template_kwargs) if self.chat_template_kwargs else {}
         if tools:
             template_vars["tools"] = tools
-        return [template_message(m.as_template_dict()) for m in self.messages], template_vars
+        return [m.as_template_dict() for m in self.messages], template_vars
 
 
 # ---- the origin server's endpoints (field names are theirs)

@@ -55,7 +55,7 @@ class ToolFields(BaseModel):
     parallel_tool_calls: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)   # NO_TOOLS is shared by every request
 class ToolPlan:
     mode: str                          # "none", "auto", "required", "named"
     tools: list[dict] = field(default_factory=list)   # what the chat template gets
@@ -71,9 +71,13 @@ def offered(body) -> list[dict]:
     return [t.model_dump(exclude_none=True) for t in body.tools]
 
 
+NO_TOOLS = ToolPlan("none")
+
+
 def plan(body, parser_name: str | None, harmony: bool = False) -> ToolPlan:
     """The plan for a chat request; RequestError naming tools / tool_choice if it cannot be served.
-    harmony (--reasoning-parser gpt_oss): the reasoning parser finds the calls, "auto" only."""
+    harmony (--reasoning-parser gpt_oss): the reasoning parser finds the calls, "auto" only.
+    A request that names neither tools nor tool_choice has NO_TOOLS: the handler does not ask."""
     tools, choice = body.tools or [], body.tool_choice
     if choice is not None and choice != "none" and not tools:
         raise RequestError("tool_choice needs tools", param="tool_choice")

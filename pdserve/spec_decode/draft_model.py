@@ -3,7 +3,7 @@
 The draft runs on its own ModelRunner (weights packed as the target's are, its own KV cache) whose
 cache has the target's block count and is indexed by the target's block tables and slots: a
 sequence's draft K/V lives at the same slots as its target K/V, so the target's rollback (slots
-past num_computed_tokens are stale) is the draft's too. Sequence.draft_computed counts the
+past num_computed_tokens are stale) is the draft's too. DraftState.computed counts the
 tokens whose draft K/V is in place; each proposal first catches up on the rest (the prompt at the
 first proposal; the bonus token, and the last draft when all were accepted, afterwards), as one
 chunk, then decodes k - 1 more. Greedy drafts make q one-hot, so the rejection sampler keeps the
@@ -41,12 +41,12 @@ class DraftModelProposer:
         rows = []
         for i in live:
             s = seqs[i]
-            s.draft_computed = first = min(s.draft_computed, s.num_tokens - 1)
+            s.draft.computed = first = min(s.draft.computed, s.num_tokens - 1)
             rows.append((s.token_ids[first:], first, s))
         while rows:
             for i, (tokens, _, seq), t in zip(live, rows, self._next_tokens(rows)):
                 drafts[i].append(t)
-                seq.draft_computed += len(tokens)
+                seq.draft.computed += len(tokens)
             live = [i for i in live if len(drafts[i]) < num_drafts[i]]
             rows = [([drafts[i][-1]], seqs[i].num_tokens + len(drafts[i]) - 1, seqs[i]) for i in live]
         return drafts

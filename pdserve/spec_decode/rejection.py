@@ -54,7 +54,7 @@ def verify(verify_rows: list, logits: torch.Tensor | None, argmax: list[int] | N
         rows = slice(off, off + n)
         off += n
         try:
-            drafts = seq.draft_token_ids[:n - 1]
+            drafts = seq.draft.token_ids[:n - 1]
             if argmax is not None:
                 results.append((seq, accept_greedy(drafts, argmax[rows]), None))
                 continue

@@ -58,8 +58,8 @@ class Speculator:
         """Before scheduling: set draft_token_ids of every running sequence (most get [])."""
         decodes, cands, ks = 0, [], []
         for seq in running:
-            if seq.draft_token_ids:
-                seq.draft_token_ids = []
+            if seq.draft.token_ids:
+                seq.draft.token_ids = []
             if seq.num_computed_tokens != len(seq.token_ids) - 1:
                 continue
             decodes += 1
@@ -76,8 +76,8 @@ class Speculator:
         live = [i for i, k in enumerate(ks) if k]
         for i, s in enumerate(cands):
             if not ks[i]:   # not proposing: its estimate drifts back to the prior
-                s.spec_accepts *= DECAY
-                s.spec_rejects *= DECAY
+                s.draft.accepts *= DECAY
+                s.draft.rejects *= DECAY
         if not live:
             return
         seqs = [cands[i] for i in live]
@@ -88,7 +88,7 @@ class Speculator:
             if n:
                 self.seconds_per_draft = 0.8 * self.seconds_per_draft + 0.2 * (time.perf_counter() - t0) / n
         for s, d in zip(seqs, drafts):
-            s.draft_token_ids = d
+            s.draft.token_ids = d
 
     def _num_drafts(self, seqs: list[Sequence], ks: list[int], decodes: int) -> list[int]:
         """Each candidate's number of drafts: the k <= its cap with the best predicted saving."""
@@ -101,7 +101,7 @@ class Speculator:
         draft_cost = self.seconds_per_draft
         out = []
         for seq, cap in zip(seqs, ks):
-            a, r = seq.spec_accepts + PRIOR[0], seq.spec_rejects + PRIOR[1]
+            a, r = seq.draft.accepts + PRIOR[0], seq.draft.rejects + PRIOR[1]
             alpha = a / (a + r)
             c = len(seq.token_ids) - 1
             best, best_k, gain, p = 0.0, 0, 0.0, 1.0
@@ -123,25 +123,25 @@ class Speculator:
             return
         stats = self.stats
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_tokens)):
-            if n < 2 or not seq.draft_token_ids or id(seq) not in results:
+            if n < 2 or not seq.draft.token_ids or id(seq) not in results:
                 continue
             k, tokens = n - 1, results[id(seq)]
             if tokens is None:   # its verification failed: it fails and frees its blocks
-                seq.draft_token_ids = []
+                seq.draft.token_ids = []
                 continue
             a = len(tokens) - 1
             sched.reject(i, k - a)
             computed = seq.num_computed_tokens + n - (k - a)
-            seq.draft_computed = min(seq.draft_computed, computed)
+            seq.draft.computed = min(seq.draft.computed, computed)
             self.block_manager.trim(seq, computed + 1)
-            seq.spec_accepts = DECAY * seq.spec_accepts + a
-            seq.spec_rejects = DECAY * seq.spec_rejects + (a < k)
+            seq.draft.accepts = DECAY * seq.draft.accepts + a
+            seq.draft.rejects = DECAY * seq.draft.rejects + (a < k)
             stats.num_drafts += 1
             stats.num_draft_tokens += k
             stats.num_accepted_tokens += a
             for j in range(a):
                 stats.accepted_per_pos[j] += 1
-            seq.draft_token_ids = []
+            seq.draft.token_ids = []
 
 
 def make_speculator(config: SpeculativeConfig, engine) -> Speculator:

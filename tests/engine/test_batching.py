@@ -245,22 +245,22 @@ def test_final_only_text_is_decoded_when_an_output_is_made(path, prompts):
     deferred = proc.new_sequence("d", prompts[0], SamplingParams(**params, final_only=True), 0.0)
     streamed = proc.new_sequence("s", prompts[0], SamplingParams(**params), 0.0)
     with_stop = proc.new_sequence("w", prompts[0], SamplingParams(**params, final_only=True, stop=["zzzz"]), 0.0)
-    assert deferred.defer_text and not streamed.defer_text and not with_stop.defer_text
+    assert deferred.output.deferred and not streamed.output.deferred and not with_stop.output.deferred
     half = len(ids) // 2
     for t in ids[:half]:
         for seq in (deferred, streamed, with_stop):
             proc.append_token(seq, t, None, 0.0)
-    assert deferred.text == "" and deferred.text_tokens == 0      # nothing decoded in the steps
-    assert with_stop.text == streamed.text != ""                   # stop strings need the text each step
-    assert proc.make_output(deferred, []).text == streamed.text    # an output (an abort's) decodes
-    assert deferred.text_tokens == half
+    assert deferred.output.text == "" and deferred.output.num_tokens == 0      # nothing decoded in the steps
+    assert with_stop.output.text == streamed.output.text != ""                   # stop strings need the text each step
+    assert proc.make_output(deferred, []).text == streamed.output.text    # an output (an abort's) decodes
+    assert deferred.output.num_tokens == half
     for t in ids[half:]:
         for seq in (deferred, streamed, with_stop):
             proc.append_token(seq, t, None, 0.0)
     assert deferred.finish_reason == streamed.finish_reason == "length"
-    assert deferred.text == streamed.text == with_stop.text        # caught up before the final flush
-    assert streamed.text.endswith("\ufffd")                       # the held-back bytes, flushed
-    assert engine.tokenizer.decode(ids[:-1]) in streamed.text
+    assert deferred.output.text == streamed.output.text == with_stop.output.text        # caught up before the final flush
+    assert streamed.output.text.endswith("\ufffd")                       # the held-back bytes, flushed
+    assert engine.tokenizer.decode(ids[:-1]) in streamed.output.text
 
 
 def test_generate_text_equals_the_streamed_text(path, prompts):

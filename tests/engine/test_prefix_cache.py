@@ -274,7 +274,7 @@ def check_cache(bm: BlockManager, live: list[Sequence]) -> None:
     assert registered == set(bm.cached.values()), "a registered block missing from the hash map"
     for s in live:
         assert s.status == SequenceStatus.RUNNING or not s.block_table, "a waiting sequence holds blocks"
-        for i, b in enumerate(s.block_table[:s.num_cached_blocks]):
+        for i, b in enumerate(s.block_table[:s.prefix.num_cached_blocks]):
             if bm.block_key[b] is not None:   # what it shares holds its own tokens
                 assert list(bm.block_key[b][1]) == s.token_ids[i * bm.block_size:(i + 1) * bm.block_size]
 

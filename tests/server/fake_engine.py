@@ -21,10 +21,10 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, **template_vars):   # vars unused
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
 
-    def encode_chat(self, messages, add_generation_prompt=True):
+    def encode_chat(self, messages, add_generation_prompt=True, **template_vars):
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
 

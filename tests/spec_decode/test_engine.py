@@ -115,9 +115,9 @@ def test_scheduler_cuts_drafts_to_the_budget_and_rollback_frees_blocks():
         sched.mark_computed(sched.schedule(0.0))
     s.token_ids.append(100)
     assert s.num_computed_tokens == 7
-    s.draft_token_ids = [1, 2, 3]
+    s.draft.token_ids = [1, 2, 3]
     out = sched.schedule(0.0)
-    assert out.num_tokens == [3] and s.draft_token_ids == [1, 2]   # the last token and two drafts
+    assert out.num_tokens == [3] and s.draft.token_ids == [1, 2]   # the last token and two drafts
     assert len(s.block_table) == 3                                   # slots up to position 9
     spec = Speculator(speculative_config(3, None, None), None, bm)
     spec.verified(out, [(s, [1, 50], None)])   # draft 1 accepted, 2 rejected, 50 the target's own
@@ -125,7 +125,7 @@ def test_scheduler_cuts_drafts_to_the_budget_and_rollback_frees_blocks():
     assert s.num_computed_tokens == 9 and out.num_tokens == [2]
     assert len(s.block_table) == 3   # 10 tokens once 1 and 50 are appended: still 3 blocks
     assert spec.stats.num_drafts == 1 and spec.stats.num_draft_tokens == 2 and spec.stats.accepted_per_pos == [1, 0, 0]
-    s.draft_token_ids = [1, 2, 3]
+    s.draft.token_ids = [1, 2, 3]
     out = sched.schedule(0.0)   # budget 3: the same cut; a rejection of both frees the extra block
     spec.verified(out, [(s, [60], None)])
     sched.mark_computed(out)
@@ -136,12 +136,12 @@ def test_adaptive_turns_down_with_low_acceptance_and_large_batches():
     cost = StepCostModel((0.010, 0.003, 0.0, 0.0))   # 10 ms a step + 3 ms a token
     spec = Speculator(speculative_config(4, None, None), None, None, cost)
     good, bad = (Sequence(n, list(range(50)), SamplingParams(max_tokens=100), 0.0) for n in "gb")
-    good.spec_accepts, bad.spec_rejects = 20.0, 20.0
+    good.draft.accepts, bad.draft.rejects = 20.0, 20.0
     assert spec._num_drafts([good, bad], [4, 4], decodes=1) == [4, 0]   # batch 1: drafts are cheap
     assert spec._num_drafts([good], [4], decodes=32) == [0]            # 32 decodes: a token costs 3.3 ms
     for _ in range(20):   # not proposing, its estimate drifts back to the prior and it probes again
-        bad.spec_accepts *= 0.8
-        bad.spec_rejects *= 0.8
+        bad.draft.accepts *= 0.8
+        bad.draft.rejects *= 0.8
     assert spec._num_drafts([bad], [4], decodes=1)[0] > 0
 
 
