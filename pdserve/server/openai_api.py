@@ -441,25 +441,40 @@ def _chat_message(s, c: RequestOutput, tools, think) -> tuple[dict, dict]:
     return message, _tool_finish(_ending(c), "tool_calls" in message)
 
 
-def _chat_events(s, body, sub, head, prompt, tools, think):
-    harmony = think is not None and s.reasoning.harmony   # its stream makes the deltas, calls included
-    streams = [tool_calls.ToolStream(tools) if tools.mode != "none" and not harmony else None
-               for _ in range(body.n)]
-    thinking = None if think is None else [s.reasoning.stream(think) for _ in range(body.n)]
+class AnswerStream:
+    """One streamed answer as chat deltas (chat's stream and the Responses API's both read them):
+    the reasoning first (--reasoning-parser), then the answer's content or its tool calls; with
+    harmony (gpt_oss) its parser makes them all from the tokens."""
 
-    def choices_of(out: RequestOutput, i: int):
+    def __init__(self, s: ServerState, plan: tool_calls.ToolPlan, think: str | None):
+        self.harmony = think is not None and s.reasoning.harmony
+        self.thinking = None if think is None else s.reasoning.stream(think)
+        self.calls = tool_calls.ToolStream(plan) if plan.mode != "none" and not self.harmony else None
+
+    def feed(self, out: RequestOutput) -> list[dict]:
+        if self.harmony:
+            return self.thinking.feed(out.new_token_ids, out.finished)
         text, deltas = out.new_text, []
-        if harmony:
-            deltas, text = thinking[i].feed(out.new_token_ids, out.finished), ""
-        elif thinking is not None:   # reasoning deltas first; the answer's text goes on as content
-            d = thinking[i].feed(text, out.finished)
+        if self.thinking is not None:   # reasoning deltas first; the answer's text goes on as content
+            d = self.thinking.feed(text, out.finished)
             if d.reasoning:
                 deltas.append(reasoning.message_fields(d.reasoning))
             text = d.content
-        if streams[i] is None:
-            deltas += [{"content": text}] if text else []
-        elif text or out.finished:
-            deltas += streams[i].deltas(text, out.finished, out.finish_reason)
+        if self.calls is None:
+            return deltas + ([{"content": text}] if text else [])
+        return deltas + (self.calls.deltas(text, out.finished, out.finish_reason) if text or out.finished else [])
+
+    def ending(self, out: RequestOutput) -> dict:
+        """The finished answer's finish_reason (tool_calls where it made calls) and stop_reason."""
+        calls = self.thinking if self.harmony else self.calls
+        return _ending(out) if calls is None else _tool_finish(_ending(out), calls.has_calls())
+
+
+def _chat_events(s, body, sub, head, prompt, tools, think):
+    answers = [AnswerStream(s, tools, think) for _ in range(body.n)]
+
+    def choices_of(out: RequestOutput, i: int):
+        deltas = answers[i].feed(out)
         # a finished answer's tool calls: one event each, before the last delta
         events = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas[:-1]]
         choice = {"index": i, "delta": deltas[-1] if deltas else {}, "logprobs": None, "finish_reason": None}
@@ -467,9 +482,7 @@ def _chat_events(s, body, sub, head, prompt, tools, think):
             choice["logprobs"] = {"content": chat_logprobs(s.tokenizer, out.new_token_ids, out.new_logprobs,
                                                            body.top_logprobs or 0)}
         if out.finished:
-            ending = _ending(out)
-            calls = thinking[i] if harmony else streams[i]
-            choice.update(ending if calls is None else _tool_finish(ending, calls.has_calls()))
+            choice.update(answers[i].ending(out))
         return events + ([choice] if _has_news(out) else [])
 
     opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

@@ -11,7 +11,7 @@ the way chat parses it. Only the shape of the result differs: chat's message fie
 `function_call` items, and while streaming the Responses events, numbered here.
 
 Reasoning (--reasoning-parser): the chat path's split (pdserve/server/reasoning.py) of a finished
-answer (chat's own `openai_api.answer_fields`) and of a streamed one (`_delta_source`) gives
+answer (chat's own `openai_api.answer_fields`) and of a streamed one (chat's `openai_api.AnswerStream`) gives
 `reasoning_content`, which OutputBuilder makes a reasoning item; tool calls and text.format apply to the answer after it.
 """
 import contextlib
@@ -27,7 +27,7 @@ from pdserve.errors import RequestError
 from pdserve.server import reasoning, tool_calls
 from pdserve.server.admission import ServerState, get_state
 from pdserve.server.errors import APIError
-from pdserve.server.openai_api import answer_fields, reasoning_start, render_prompt
+from pdserve.server.openai_api import AnswerStream, answer_fields, reasoning_start, render_prompt
 from pdserve.server.responses_output import OutputBuilder, message_deltas, new_id
 from pdserve.server.responses_protocol import InputItem, ResponsesRequest, join_text, refuse_unsupported
 from pdserve.server.responses_store import ResponseStore
@@ -113,27 +113,6 @@ def reasoning_effort(body: ResponsesRequest) -> str | None:
 
 
 # ---- what the answer is
-
-def _delta_source(s: ServerState, plan: tool_calls.ToolPlan, think: str | None):
-    """(new_text, finished, finish_reason, new_token_ids) -> chat's stream deltas for one streamed
-    answer, as chat makes them: the reasoning first, then the answer's content and tool calls."""
-    thinking = s.reasoning.stream(think) if think is not None else None
-    if think is not None and s.reasoning.harmony:   # gpt_oss: harmony's parser reads the tokens
-        return lambda new_text, finished, finish_reason, new_token_ids: thinking.feed(new_token_ids, finished)
-    calls = tool_calls.ToolStream(plan) if plan.mode != "none" else None
-
-    def deltas(new_text: str, finished: bool, finish_reason: str | None, new_token_ids: list[int]) -> list[dict]:
-        out, text = [], new_text
-        if thinking is not None:
-            d = thinking.feed(text, finished)
-            if d.reasoning:
-                out.append({"reasoning_content": d.reasoning})
-            text = d.content
-        if calls is None:
-            return out + ([{"content": text}] if text else [])
-        return out + (calls.deltas(text, finished, finish_reason) if text or finished else [])
-    return deltas
-
 
 def _as_assistant_message(items: list[dict]) -> dict | None:
     """The output as the chat message a next turn's template gets: its text, calls and reasoning
@@ -301,14 +280,14 @@ async def _events(turn: _Turn, sub, plan):
     after the 200 was sent (a failed engine step, --request-timeout) is an `error` event and then
     response.failed. A client that leaves aborts the request (sub.cancel)."""
     seq = 0
-    builder, deltas = OutputBuilder(), _delta_source(turn.s, plan, turn.think)
+    builder, answer = OutputBuilder(), AnswerStream(turn.s, plan, turn.think)
     try:
         for kind in ("response.created", "response.in_progress"):
             yield _event({"type": kind, "response": turn.response("in_progress", [])}, seq)
             seq += 1
         final = None
         async for out in sub.outputs():
-            for delta in deltas(out.new_text, out.finished, out.finish_reason, out.new_token_ids):
+            for delta in answer.feed(out):
                 for event in builder.feed(delta):
                     yield _event(event, seq)
                     seq += 1
