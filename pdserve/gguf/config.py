@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "granite": ("GraniteForCausalLM", "granite"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 # Granite's multipliers: GGUF key -> config.json field
 GRANITE_SCALES = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
@@ -58,7 +59,7 @@ def hf_config(f: GGUFFile) -> dict:
     if "rope_freqs.weight" in f.tensors:
         raise CheckpointError(f"{f.path}: rope frequency factors stored as the tensor rope_freqs.weight "
                               "(llama3/longrope scaling) are not supported")
-    if f.arch_get("attention.sliding_window") is not None:
+    if f.arch_get("attention.sliding_window") is not None and model_type != "gemma3_text":
         raise CheckpointError(f"{f.path}: {arch}.attention.sliding_window is set; a {hf_arch} GGUF with a sliding "
                               "window is not supported")
     raw = {
@@ -80,9 +81,45 @@ def hf_config(f: GGUFFile) -> dict:
         for key, name in GRANITE_SCALES.items():
             if f.arch_get(key) is not None:
                 raw[name] = f32(f.arch_get(key))
+    if model_type == "gemma3_text":
+        raw.update(gemma3_fields(f, raw))
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         raw[key] = f.get(f"tokenizer.ggml.{name}_token_id")
     return raw
+
+
+def gemma3_fields(f: GGUFFile, raw: dict) -> dict:
+    """What a Gemma 3 GGUF means as llama.cpp's loader reads it (src/models/gemma3.cpp), in
+    config.json's fields: local layers where attention.sliding_window is set, by
+    attention.sliding_window_pattern (a list of flags, or n: every n-th layer global; 6 where
+    absent); the local layers' RoPE base rope.freq_base_swa (10000 where absent), unscaled; the
+    attention scale 1/sqrt(head size), but 1/sqrt(hidden / heads) for the 62-layer (27B) model;
+    the final logits' soft cap where the file has one."""
+    n, window = raw["num_hidden_layers"], f.arch_get("attention.sliding_window")
+    if window:
+        pattern = f.arch_get("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            if len(pattern) != n:
+                raise CheckpointError(f"{f.path}: attention.sliding_window_pattern has {len(pattern)} flags "
+                                      f"for {n} layers")
+            local = [bool(x) for x in pattern]
+        else:   # llama.cpp's set_swa_pattern: 0 is every layer local
+            pattern = int(pattern)
+            local = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+    else:
+        local = [False] * n
+    types = ["sliding_attention" if x else "full_attention" for x in local]
+    rope = {"full_attention": raw["rope_parameters"]}
+    if any(local):
+        rope["sliding_attention"] = {"rope_type": "default",
+                                     "rope_theta": f32(f.arch_get("rope.freq_base_swa", 10000.0))}
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    return {"layer_types": types, "sliding_window": int(window) if window else None,
+            "rope_parameters": rope, "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": hidden // heads if n == 62 else raw["head_dim"],
+            "final_logit_softcapping": f32(f.arch_get("final_logit_softcapping"))
+            if f.arch_get("final_logit_softcapping") else None,
+            "attn_logit_softcapping": None}
 
 
 def f32(x) -> float:

@@ -39,17 +39,24 @@ LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 # linears pdserve runs as one merged linear (qkv, gate_up): their shards must share one form
 MERGED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 PERMUTED = {"llama", "granite"}   # GGUF architectures whose converter permuted q/k (LlamaModel.undo_permute)
+# a family's own names where they differ from BLOCK's: Gemma 3's ffn_norm is the MLP's input norm
+# (its post_attention_norm the attention output's, as OLMo 2's)
+BLOCK_OVERRIDES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
+# Gemma's norms are stored as offsets from one (norm(x) * (1 + w)); llama.cpp's converter adds the
+# one (Gemma3Model.norm_shift), taken off again here: fl(1 + w) - 1 is exact, so 1 + it is fl(1 + w)
+NORM_SHIFTED = {"gemma3"}
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(name: str) -> tuple[str, str | None]:
+def hf_name(name: str, arch: str = "llama") -> tuple[str, str | None]:
     """(HF name, the block key or None); KeyError for a tensor pdserve has no place for."""
     if name in GLOBAL:
         return GLOBAL[name], None
     m = _BLK.fullmatch(name)
-    if m is None or m.group(2) not in BLOCK:
+    block = BLOCK | BLOCK_OVERRIDES.get(arch, {})
+    if m is None or m.group(2) not in block:
         raise KeyError(name)
-    return f"model.layers.{m.group(1)}.{BLOCK[m.group(2)]}.{m.group(3)}", m.group(2)
+    return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}", m.group(2)
 
 
 def unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -93,7 +100,7 @@ def gguf_tensors(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, str, torc
     widened = merged_forms(f)
     for name, t in f.tensors.items():
         try:
-            hf, key = hf_name(name)
+            hf, key = hf_name(name, f.architecture)
         except KeyError:
             raise CheckpointError(f"{f.path}: unexpected tensor {name!r} for {f.architecture}") from None
         qtype = t.tensor_type
@@ -117,6 +124,8 @@ def gguf_tensors(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, str, torc
         else:
             raise CheckpointError(f"{f.path}: tensor {name!r} has type {qtype.name}, which pdserve cannot load "
                                   f"(supported: {', '.join(x.name for x in (*DENSE, *DECODERS))})")
+        if f.architecture in NORM_SHIFTED and name.endswith("norm.weight"):
+            value = value - 1
         if f.architecture in PERMUTED and key in ("attn_q", "attn_k"):
             heads = cfg.num_heads if key == "attn_q" else cfg.num_kv_heads
             value = _unpermute_value(value, heads)
