@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "granite": ("GraniteForCausalLM", "granite"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 # Granite's multipliers: GGUF key -> config.json field
 GRANITE_SCALES = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
@@ -59,7 +60,7 @@ def hf_config(f: GGUFFile) -> dict:
     if "rope_freqs.weight" in f.tensors:
         raise CheckpointError(f"{f.path}: rope frequency factors stored as the tensor rope_freqs.weight "
                               "(llama3/longrope scaling) are not supported")
-    if f.arch_get("attention.sliding_window") is not None and model_type != "gemma3_text":
+    if f.arch_get("attention.sliding_window") is not None and model_type not in ("gemma3_text", "phi3"):
         raise CheckpointError(f"{f.path}: {arch}.attention.sliding_window is set; a {hf_arch} GGUF with a sliding "
                               "window is not supported")
     raw = {
@@ -83,6 +84,11 @@ def hf_config(f: GGUFFile) -> dict:
                 raw[name] = f32(f.arch_get(key))
     if model_type == "gemma3_text":
         raw.update(gemma3_fields(f, raw))
+    if model_type == "phi3":
+        # every layer's window, as transformers' Phi-3 masks them (the converter writes 0 for none:
+        # Phi-4); llama.cpp turns Phi's window off, and so differs from it past the window
+        raw["sliding_window"] = int(f.arch_get("attention.sliding_window", 0)) or None
+        raw["rope_parameters"]["partial_rotary_factor"] = 1.0   # partial rotary is refused above
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         raw[key] = f.get(f"tokenizer.ggml.{name}_token_id")
     return raw

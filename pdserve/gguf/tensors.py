@@ -35,13 +35,15 @@ BLOCK = {   # blk.N.<key> -> model.layers.N.<value>
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+LINEARS = {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 # linears pdserve runs as one merged linear (qkv, gate_up): their shards must share one form
 MERGED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 PERMUTED = {"llama", "granite"}   # GGUF architectures whose converter permuted q/k (LlamaModel.undo_permute)
 # a family's own names where they differ from BLOCK's: Gemma 3's ffn_norm is the MLP's input norm
 # (its post_attention_norm the attention output's, as OLMo 2's)
-BLOCK_OVERRIDES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
+# Phi-3 keeps q/k/v as one attn_qkv and gate/up as one ffn_up (its checkpoint's own qkv_proj, gate_up_proj)
+BLOCK_OVERRIDES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+                   "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # Gemma's norms are stored as offsets from one (norm(x) * (1 + w)); llama.cpp's converter adds the
 # one (Gemma3Model.norm_shift), taken off again here: fl(1 + w) - 1 is exact, so 1 + it is fl(1 + w)
 NORM_SHIFTED = {"gemma3"}
@@ -102,7 +104,8 @@ def gguf_tensors(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, str, torc
         try:
             hf, key = hf_name(name, f.architecture)
         except KeyError:
-            raise CheckpointError(f"{f.path}: unexpected tensor {name!r} for {f.architecture}") from None
+            why = " (long-rope scaling factors, which pdserve does not read from GGUF)" if "rope_factors" in name else ""
+            raise CheckpointError(f"{f.path}: unexpected tensor {name!r} for {f.architecture}{why}") from None
         qtype = t.tensor_type
         shape = tuple(int(x) for x in reversed(t.shape))   # ggml lists the fastest dimension first
         linear = key in LINEARS and name.endswith(".weight")

@@ -84,3 +84,13 @@ def test_transformers_backends_refuse_a_gguf_model(make_gguf):
     _, gguf = make_gguf("qwen2", "f32")
     with pytest.raises(CheckpointError, match="served by the engine"):
         Baseline(gguf, device="cpu")
+
+
+def test_phi3_long_rope_factors(make_tiny, tmp_path_factory):
+    # Phi-3-*-128k / Phi-3.5: longrope's factors are tensors in the GGUF, which pdserve does not read
+    from tests.gguf.test_gguf_model import phi4_style
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.5] * 8, "short_factor": [1.0] * 8,
+            "original_max_position_embeddings": 256}
+    _, gguf = phi4_style(make_tiny("phi3", rope_parameters=rope), tmp_path_factory)
+    msg = refusal(gguf, load=True)
+    assert "rope_factors_long.weight" in msg and "long-rope" in msg

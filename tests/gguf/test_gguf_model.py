@@ -1,15 +1,19 @@
 """A GGUF file converted by llama.cpp from a tiny HF checkpoint serves as that checkpoint does:
 the config pdserve builds from its metadata, its tokenizer and chat template, and (F32) its
 logits and greedy tokens against transformers on the HF checkpoint."""
+import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
 
+from benchmarks import peers
 from pdserve import LLM, SamplingParams
 from pdserve.config import ModelConfig
 from pdserve.tokenizer import Tokenizer
+from tests.gguf.conftest import PEERS_DIR
 from tests.helpers import chunked_logits, corpus_prompts, hf_greedy, hf_logits
 
 # qwen3 without its windowed layer: llama.cpp's qwen3 has no sliding window, so its GGUF is the
@@ -20,7 +24,8 @@ from tests.helpers import chunked_logits, corpus_prompts, hf_greedy, hf_logits
 # the head size apart from hidden / heads, whose scale is the 27B model's)
 ARCHS = {"qwen2": {}, "llama": {}, "qwen3": {"use_sliding_window": False}, "mistral": {}, "olmo2": {},
          "granite": {}, "gemma3": {"num_hidden_layers": 6, "sliding_window_pattern": 6, "head_dim": 32,
-                                      "query_pre_attn_scalar": 32}}
+                                      "query_pre_attn_scalar": 32},
+         "phi3": {"sliding_window": 16}}
 FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
           "intermediate_size", "max_position_embeddings", "tie_word_embeddings", "rms_norm_eps", "layer_windows")
 TEXT = ("Once upon a time, there's 1234567 dogs!\n\n  Café naïve — 日本語, ÅÄÖ ñ; tabs\tand  spaces   "
@@ -28,7 +33,7 @@ TEXT = ("Once upon a time, there's 1234567 dogs!\n\n  Café naïve — 日本語
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
-def converted(request, make_gguf, make_tiny):
+def converted(request, make_gguf, make_tiny, tmp_path_factory):
     overrides = ARCHS[request.param]
     if request.param == "gemma3":
         # llama.cpp's converter cuts Gemma's embedding to the tokenizer's tokens (Gemma3Model.modify_tensors),
@@ -36,7 +41,23 @@ def converted(request, make_gguf, make_tiny):
         from tokenizers import Tokenizer as RustTokenizer
         tok = RustTokenizer.from_file(os.path.join(make_tiny("gemma3", **overrides), "tokenizer.json"))
         overrides = {**overrides, "vocab_size": tok.get_vocab_size(with_added_tokens=True)}
+    if request.param == "phi3":
+        return phi4_style(make_tiny("phi3", **overrides), tmp_path_factory)
     return make_gguf(request.param, "f32", **overrides)
+
+
+def phi4_style(model_dir: str, tmp_path_factory, outtype: str = "f32") -> tuple[str, str]:
+    """A Phi-3 checkpoint whose tokenizer_config names GPT2Tokenizer, as Phi-4's does: llama.cpp's
+    converter then writes its byte-level BPE vocabulary (a Phi-3-mini's tokenizer.model, which the
+    tiny checkpoint lacks, would be SentencePiece), and its GGUF."""
+    copy = str(tmp_path_factory.mktemp("phi4-style") / "ckpt")
+    shutil.copytree(model_dir, copy)
+    path = os.path.join(copy, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({**config, "tokenizer_class": "GPT2Tokenizer"}, f)
+    return copy, peers.convert_to_gguf(PEERS_DIR, copy, outtype, out=f"{copy}-{outtype}.gguf", python=sys.executable)
 
 
 def test_config_equals_the_checkpoints(converted):

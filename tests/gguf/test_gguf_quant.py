@@ -54,7 +54,7 @@ def check_file(model_dir: str, gguf: str, main_type: T, arch: str) -> None:
     f = GGUFFile(gguf)
     linear_types = set()
     for name, t in f.tensors.items():
-        _, key = hf_name(name)
+        _, key = hf_name(name, f.architecture)
         if key in LINEARS and t.tensor_type in DECODERS:
             linear_types.add(t.tensor_type)
             shape = tuple(int(x) for x in reversed(t.shape))
@@ -93,6 +93,13 @@ def check_file(model_dir: str, gguf: str, main_type: T, arch: str) -> None:
 def test_q8_0_from_the_converter(make_gguf, arch):
     model_dir, gguf = make_gguf(arch, "q8_0", **WIDE)
     check_file(model_dir, gguf, T.Q8_0, arch)
+
+
+def test_q8_0_phi3_fused_linears(make_tiny, tmp_path_factory):
+    # Phi-3's q/k/v and gate/up are one tensor each in its GGUF, kept quantized whole
+    from tests.gguf.test_gguf_model import phi4_style
+    model_dir, gguf = phi4_style(make_tiny("phi3", **WIDE), tmp_path_factory, "q8_0")
+    check_file(model_dir, gguf, T.Q8_0, "phi3")
 
 
 @pytest.mark.parametrize("file_type", list(FILE_TYPES))
