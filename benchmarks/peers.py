@@ -46,7 +46,7 @@ MARKER = ".pdserve-installed"
 # (its tokenizer is trained locally, so the converter's hash lookup cannot recognise it).
 PRE_TOKENIZERS = {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe", "mistral": "llama-bpe", "opt": "gpt-2",
                   "olmo2": "llama-bpe", "granite": "llama-bpe", "gemma2": "llama-bpe", "gemma3": "llama-bpe",
-                  "gemma3_text": "llama-bpe", "phi3": "llama-bpe", "qwen2_moe": "qwen2", "qwen3_moe": "qwen2",
+                  "gemma3_text": "llama-bpe", "phi3": "llama-bpe", "smollm3": "llama-bpe", "qwen2_moe": "qwen2", "qwen3_moe": "qwen2",
                   "gpt_oss": "llama-bpe"}
 
 

@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "granite": ("GraniteForCausalLM", "granite"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
 }
 # Granite's multipliers: GGUF key -> config.json field
 GRANITE_SCALES = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
@@ -84,6 +85,9 @@ def hf_config(f: GGUFFile) -> dict:
                 raw[name] = f32(f.arch_get(key))
     if model_type == "gemma3_text":
         raw.update(gemma3_fields(f, raw))
+    if model_type == "smollm3":
+        # llama.cpp's smollm3 (src/models/smollm3.cpp): every 4th layer without RoPE, no window
+        raw.update(no_rope_layer_interval=4, use_sliding_window=False)
     if model_type == "phi3":
         # every layer's window, as transformers' Phi-3 masks them (the converter writes 0 for none:
         # Phi-4); llama.cpp turns Phi's window off, and so differs from it past the window

@@ -38,7 +38,7 @@ BLOCK = {   # blk.N.<key> -> model.layers.N.<value>
 LINEARS = {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 # linears pdserve runs as one merged linear (qkv, gate_up): their shards must share one form
 MERGED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
-PERMUTED = {"llama", "granite"}   # GGUF architectures whose converter permuted q/k (LlamaModel.undo_permute)
+PERMUTED = {"llama", "granite", "smollm3"}   # GGUF architectures whose converter permuted q/k (LlamaModel.undo_permute)
 # a family's own names where they differ from BLOCK's: Gemma 3's ffn_norm is the MLP's input norm
 # (its post_attention_norm the attention output's, as OLMo 2's)
 # Phi-3 keeps q/k/v as one attn_qkv and gate/up as one ffn_up (its checkpoint's own qkv_proj, gate_up_proj)
