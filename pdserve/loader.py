@@ -51,10 +51,14 @@ def weight_files(path: str) -> list[str]:
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str,
-               tensors: Iterable[tuple[str, str, Tensorish]] | None = None) -> torch.nn.Module:
+               tensors: Iterable[tuple[str, str, Tensorish]] | None = None,
+               dense_quantized: bool = True) -> torch.nn.Module:
     """The model with every parameter filled from `tensors` ((file, HF name, tensor) triples; by
-    default the checkpoint's safetensors files). A GroupQuantized value fills its linear's weight
-    with the dequantized values and is kept on the linear as `quant` (layers/quantized.py)."""
+    default the checkpoint's safetensors files). A GroupQuantized value is kept on its linear as
+    `quant` (layers/quantized.py) and, with dense_quantized, also fills the linear's weight with the
+    dequantized values; without (a backend that runs the codes: Backend.takes_codes) the weight is
+    left on the meta device, never allocated, so that loading a 4-bit checkpoint does not need the
+    memory of its dense form."""
     # Build on the meta device (no random init of weights we overwrite), then materialise.
     with torch.device("meta"):
         model = ARCHITECTURES[cfg.architecture](cfg)
@@ -72,7 +76,11 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str,
         tensors = gguf_tensors(cfg) if cfg.gguf_file else safetensors_tensors(cfg.path, served_name(cfg, model))
     if cfg.quantization is not None:   # AWQ / GPTQ / compressed-tensors parts -> one weight per linear
         tensors = quantized_tensors(cfg, tensors)
-    fill(model, cfg, tensors)
+    fill(model, cfg, tensors, dense_quantized)
+    if not dense_quantized:
+        for m in model.modules():
+            if getattr(m, "quant", None) is not None:   # the codes are the weight: free its allocation
+                m.weight = torch.nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
     return model.eval()
 
 
@@ -108,7 +116,8 @@ def safetensors_tensors(path: str, served=None) -> Iterator[tuple[str, str, torc
                     yield file, as_name, f.get_tensor(name)
 
 
-def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, str, Tensorish]]) -> None:
+def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, str, Tensorish]],
+         dense_quantized: bool = True) -> None:
     tied = cfg.tie_word_embeddings
     params = dict(model.named_parameters(remove_duplicate=False))
     # what must be filled, (parameter, shard) -> the name to report if it is missing: each shard of
@@ -163,6 +172,9 @@ def fill(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, 
                 if not (isinstance(module, torch.nn.Linear) and target.endswith(".weight")):
                     raise CheckpointError(f"{file}: tensor {name!r} is quantized but is not a linear's weight")
                 attach_shard(module, shard, tensor)
+                if not dense_quantized:
+                    loaded.add((target, shard))
+                    continue
                 tensor = tensor.dequantize()
             dest.copy_(tensor)
             loaded.add((target, shard))

@@ -13,6 +13,7 @@ class Backend:
     name = "torch"
     weight_format = "torch"   # the linears' weights: "torch" (the modules' own) or a packed format
     fused_argmax = False      # argmax() takes greedy tokens without the logits (fp32 hidden rows)
+    takes_codes = False       # prepare_model runs a quantized checkpoint's codes: no dense weights are loaded
 
     def prepare_model(self, model: nn.Module) -> None:
         """Once, after loading and before the KV cache: re-lay weights, swap modules."""

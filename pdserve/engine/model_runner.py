@@ -36,8 +36,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype(model_config)
         self.block_size = config.block_size
         self.kv_spec = kv_spec(model_config)   # K and V per head, or MLA's latent (engine/kv_spec.py)
-        self.model = load_model(model_config, self.dtype, config.device)
         self.backend = select_backend(model_config, config, self.dtype)
+        self.model = load_model(model_config, self.dtype, config.device, dense_quantized=not self.backend.takes_codes)
         self.backend.prepare_model(self.model)
         self.num_blocks = self._num_blocks(max_model_len)
         self._allocate_kv_cache()

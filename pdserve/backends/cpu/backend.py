@@ -31,6 +31,7 @@ ATTENTION_HEAD_DIMS = (16, 32, 64, 96, 128, 256)   # the head sizes the attentio
 
 class CpuBackend(Backend):
     name = "cpu"
+    takes_codes = True   # QuantLinear packs a quantized linear's codes; its dense weight is never made
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype):
         self.model_config = model_config

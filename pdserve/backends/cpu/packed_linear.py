@@ -20,33 +20,50 @@ PANEL, TILE = 16, 64   # channels per panel; the kernel works on 4 panels at a t
 _NO_COUNTS = torch.empty(0, dtype=torch.long)   # the screened argmax's per-row candidate counts: not wanted
 
 
+CHUNK = 4096   # rows packed at a time (a multiple of TILE): the conversion's scratch is one chunk, not a copy of W
+FORMATS = {"fp32": torch.float32, "int8": torch.int8, "bf16": torch.bfloat16, "bf16x2": torch.bfloat16}
+
+
 def pack_weight(weight: torch.Tensor, fmt: str,
                 arena: hugepages.Arena | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) weight -> (packed (Npad/16, K, 16), scale (Npad,) or empty) in format fp32|bf16|int8;
-    packed in `arena` if given, else in a huge-page allocation of its own."""
+    packed in `arena` if given, else in a huge-page allocation of its own. Converted CHUNK rows at a
+    time: a 151936-row lm_head's fp32 copy alone would be as big as the packed result."""
     N, K = weight.shape
     n_pad = -(-N // TILE) * TILE
-    w = torch.zeros(n_pad, K, dtype=torch.float32)
-    w[:N] = weight.float()
-    scale = torch.empty(0)
-    if fmt == "int8":
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)   # symmetric, per output channel
-        w = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    elif fmt in ("bf16", "bf16x2"):
-        w = w.to(torch.bfloat16)
-    if fmt == "bf16x2":   # (panel, k pair, channel, 2): one 64-byte line holds 16 channels x 2 k
-        src = w.view(n_pad // PANEL, PANEL, K // 2, 2).permute(0, 2, 1, 3).reshape(n_pad // PANEL, K // 2, 2 * PANEL)
-    else:
-        src = w.view(n_pad // PANEL, PANEL, K).transpose(1, 2)
+    P = n_pad // PANEL
+    # (panel, k pair, channel, 2) for bf16x2: one 64-byte line holds 16 channels x 2 k
+    shape = (P, K // 2, 2 * PANEL) if fmt == "bf16x2" else (P, K, PANEL)
     # streamed once per decode step: on huge pages (hugepages.py)
-    packed = arena.empty(src.shape, src.dtype) if arena is not None else hugepages.empty(src.shape, dtype=src.dtype)
-    return packed.copy_(src), scale
+    packed = arena.empty(shape, FORMATS[fmt]) if arena is not None else hugepages.empty(shape, dtype=FORMATS[fmt])
+    scale = torch.empty(n_pad) if fmt == "int8" else torch.empty(0)
+    for r0 in range(0, n_pad, CHUNK):
+        r1 = min(r0 + CHUNK, n_pad)
+        w = torch.zeros(r1 - r0, K, dtype=torch.float32)
+        if r0 < N:
+            w[:min(r1, N) - r0] = weight[r0:r1].float()
+        if fmt == "int8":
+            s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)   # symmetric, per output channel
+            scale[r0:r1] = s
+            w = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        elif fmt in ("bf16", "bf16x2"):
+            w = w.to(torch.bfloat16)
+        p = (r1 - r0) // PANEL
+        if fmt == "bf16x2":
+            src = w.view(p, PANEL, K // 2, 2).permute(0, 2, 1, 3).reshape(p, K // 2, 2 * PANEL)
+        else:
+            src = w.view(p, PANEL, K).transpose(1, 2)
+        packed[r0 // PANEL:r1 // PANEL].copy_(src)
+    return packed, scale
 
 
 def column_norms(weight: torch.Tensor, n_pad: int) -> torch.Tensor:
     """(n_pad,) fp32 bounds on each row's L2 norm of an (N, K) weight: rounded up, 0 on padding."""
     norms = torch.zeros(n_pad, dtype=torch.float64)
-    norms[:weight.shape[0]] = torch.linalg.vector_norm(weight.double(), dim=1) * (1 + 1e-6)
+    N = weight.shape[0]
+    for r0 in range(0, N, CHUNK):   # in fp64, a chunk at a time (a whole copy is twice W)
+        r1 = min(r0 + CHUNK, N)
+        norms[r0:r1] = torch.linalg.vector_norm(weight[r0:r1].double(), dim=1) * (1 + 1e-6)
     return norms.float()   # the fp32 rounding moves a value by less than the 1e-6 above
 
 
@@ -63,11 +80,12 @@ class PackedLinear(nn.Module):
         # argmax screened on a bf16 copy (kernels/argmax_cpu.cpp: packed_linear_argmax_screened): the
         # lm_head of an fp32 model, where greedy steps then read half its bytes for the same tokens
         self.screen, self.col_norm, self.col_norm_max = None, None, 0.0
-        if (screen and fmt == "fp32" and linear.bias is None and linear.in_features % 2 == 0
-                and cpu_supports_bf16_dot() and bool(torch.isfinite(linear.weight).all())):
-            self.screen = pack_weight(linear.weight.detach(), "bf16x2", arena)[0]
-            self.col_norm = column_norms(linear.weight.detach(), packed.shape[0] * PANEL)
-            self.col_norm_max = float(self.col_norm.max())
+        if screen and fmt == "fp32" and linear.bias is None and linear.in_features % 2 == 0 and cpu_supports_bf16_dot():
+            norms = column_norms(linear.weight.detach(), packed.shape[0] * PANEL)
+            # finite norms: a finite weight (torch.isfinite on the whole matrix made 6x its size in scratch)
+            if bool(torch.isfinite(norms).all()):
+                self.screen = pack_weight(linear.weight.detach(), "bf16x2", arena)[0]
+                self.col_norm, self.col_norm_max = norms, float(norms.max())
         self.use_screen = self.screen is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ def _source(path, quantize):
 def _load_with(monkeypatch, quantize):
     """The engine's loader reads the checkpoint through quantize(name, tensor) -> tensor or codes."""
     monkeypatch.setattr(model_runner, "load_model",
-                        lambda cfg, dtype, device: load_model(cfg, dtype, device, _source(cfg.path, quantize)))
+                        lambda cfg, dtype, device, **kw: load_model(cfg, dtype, device, _source(cfg.path, quantize), **kw))
 
 
 def generate(llm: LLM, prompts):
@@ -59,6 +59,26 @@ def test_quantized_checkpoint_matches_torch_on_dequantized_weights(make_tiny, mo
     assert stacked == layered   # the same kernels in the same order
     ref = generate(LLM(path, max_num_batched_tokens=48, max_num_seqs=8, cpu_kernels=False), prompts)
     assert_close(stacked, ref)
+
+
+def test_a_quantized_checkpoint_is_never_made_dense(make_tiny, monkeypatch):
+    """The CPU backend runs the codes: the engine loads without the linears' dense weights (left on
+    the meta device, never allocated), which the torch backend still gets."""
+    path = make_tiny("qwen2")
+    loaded = []
+
+    def load(cfg, dtype, device, **kw):
+        model = load_model(cfg, dtype, device, _source(cfg.path, lambda name, t: round_to_nearest(t, 4, 32)
+                                                         if name.endswith("_proj.weight") else t), **kw)
+        loaded.append({n: p.is_meta for n, p in model.named_parameters()})
+        return model
+    monkeypatch.setattr(model_runner, "load_model", load)
+    LLM(path, max_num_batched_tokens=48)
+    meta = [n for n, is_meta in loaded[-1].items() if is_meta]
+    assert meta and all(n.endswith("_proj.weight") for n in meta)
+    assert len(meta) == 4 * 2 and not any(loaded[-1][n] for n in loaded[-1] if not n.endswith("_proj.weight"))
+    LLM(path, max_num_batched_tokens=48, cpu_kernels=False)   # the torch backend multiplies dense weights
+    assert not any(loaded[-1].values())
 
 
 def test_int4_flag_end_to_end(make_tiny, monkeypatch):
