@@ -50,6 +50,7 @@ window), and greedy continuations differ across prompts.
 tests/test_make_model.py re-checks this for every arch.
 """
 import argparse
+import functools
 import sys
 import json
 import math
@@ -194,6 +195,23 @@ def corpus_texts(max_story_chars: int | None = None) -> list[str]:
     with open(os.path.join(CORPUS_DIR, "unicode.txt"), encoding="utf-8") as f:
         texts.extend(f.read().splitlines())
     return texts
+
+
+def corpus_prompts(tokenizer, lens, offset: int = 0) -> list[list[int]]:
+    """Token-id prompts of exactly the given lengths, cut from varied corpus text (`tokenizer`: a
+    pdserve Tokenizer of a checkpoint made here); the tests' prompts and the device check's."""
+    ids = _corpus_ids(tokenizer)
+    prompts, start = [], offset
+    for n in lens:
+        prompts.append(ids[start:start + n])
+        start += n * 3 + 11
+    return prompts
+
+
+@functools.lru_cache(maxsize=None)
+def _corpus_ids(tokenizer) -> list[int]:
+    text = " ".join(corpus_texts())[:40000]   # ~10k tokens: plenty, and fast to encode
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def train_tokenizer(arch: str, vocab_size: int, texts: list[str]):
