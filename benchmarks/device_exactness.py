@@ -16,6 +16,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
+import sys
 import time
 import traceback
 
@@ -42,33 +44,6 @@ def variants() -> dict[str, tuple[str, dict]]:
     names = {arch: (arch, {}) for arch in ("llama", *[a for a in ARCHS if a != "llama"])}
     names["gpt_oss-mxfp4"] = ("gpt_oss", {"mxfp4": True})
     return names
-
-
-def build_checkpoints(names: list[str], work_dir: str, workers: int) -> dict[str, str]:
-    """name -> checkpoint directory, or 'error: ...' where make_model failed. Several processes
-    where there are cores to spare (tokenizer training and saving are CPU work)."""
-    table = variants()
-    jobs = {n: (os.path.join(work_dir, f"tiny-{n}"), table[n][0], table[n][1]) for n in names}
-    out = {}
-    if workers <= 1 or len(jobs) <= 1:
-        for n, (path, arch, opts) in jobs.items():
-            out[n] = _make(path, arch, opts)
-        return out
-    import concurrent.futures
-    import multiprocessing
-    # spawn: the workers must not inherit this process's CUDA state
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {n: pool.submit(_make, *job) for n, job in jobs.items()}
-        for n, f in futures.items():
-            out[n] = f.result()
-    return out
-
-
-def _make(path: str, arch: str, opts: dict) -> str:
-    try:
-        return make_model(path, arch, force=True, **opts)
-    except Exception as e:  # noqa: BLE001 - recorded per variant
-        return f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def reference_model(path: str, dtype: torch.dtype, device: str):
@@ -201,39 +176,71 @@ def free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def check_variant(name: str, device: str, work_dir: str) -> dict:
+    """One variant, in a process of its own: its checkpoint, then the fp32 and bf16 comparisons."""
+    arch, opts = variants()[name]
+    v = dict(arch=arch)
+    t0 = time.monotonic()
+    try:
+        path = make_model(os.path.join(work_dir, f"tiny-{name}"), arch, force=True, **opts)
+    except Exception as e:  # noqa: BLE001 - recorded
+        return dict(v, status="checkpoint failed", error=f"{type(e).__name__}: {e}"[:500])
+    v.update(architecture=declared(work_dir, name), checkpoint_s=round(time.monotonic() - t0, 1))
+    for part, check in (("fp32_tokens", fp32_tokens), ("bf16_logprobs", bf16_logprobs)):
+        try:
+            v[part] = check(path, device)
+        except Exception as e:  # noqa: BLE001 - a failing architecture is a result
+            v[part] = dict(error=f"{type(e).__name__}: {e}"[:500], traceback=traceback.format_exc()[-2000:])
+            free(device)
+    ok = v["fp32_tokens"].get("equal") is True and v["bf16_logprobs"].get("within_tolerance") is True
+    return dict(v, status="ok" if ok else "failed", seconds=round(time.monotonic() - t0, 1))
+
+
 def run(out_path: str, device: str, work_dir: str, names: list[str], deadline: float, workers: int) -> dict:
-    """Every variant in `names`, written to out_path after each one (a phase stopped at its time
-    limit keeps what it finished); a variant that cannot start before `deadline` is skipped, saying so."""
-    from benchmarks.device_check import save
+    """Every variant in `names`, `workers` at a time, each in a process of its own (a device fault in
+    one architecture cannot poison the next; tiny models leave a GPU mostly idle, so they overlap).
+    Written to out_path as each finishes; one still running at `deadline` is stopped, and one not
+    yet started then is skipped, each saying so."""
+    from benchmarks.device_check import load, log_tail, save
     rec = dict(phase="exactness", device=device, prompt_lens=list(PROMPT_LENS), new_tokens=NEW_TOKENS,
                logprob_tolerance=LOGPROB_TOL, float32_matmul_precision=torch.get_float32_matmul_precision(),
-               variants={n: dict(arch=variants()[n][0], status="not run") for n in names})
-    t0 = time.monotonic()
-    paths = build_checkpoints(names, work_dir, workers)
-    rec["checkpoints_s"] = round(time.monotonic() - t0, 1)
+               workers=workers, variants={n: dict(arch=variants()[n][0], status="not run") for n in names})
     save(out_path, rec)
-    slowest = 0.0
-    for name in names:
-        v = rec["variants"][name]
-        if paths[name].startswith("error:"):
-            v.update(status="checkpoint failed", error=paths[name][7:])
-            continue
-        if time.time() + 1.5 * slowest > deadline:
-            v["status"] = "skipped: out of time"
-            continue
-        t = time.monotonic()
-        with open(os.path.join(paths[name], "config.json")) as f:
-            v["architecture"] = json.load(f)["architectures"][0]
-        for part, check in (("fp32_tokens", fp32_tokens), ("bf16_logprobs", bf16_logprobs)):
-            try:
-                v[part] = check(paths[name], device)
-            except Exception as e:  # noqa: BLE001 - a failing architecture is a result
-                v[part] = dict(error=f"{type(e).__name__}: {e}"[:500], traceback=traceback.format_exc()[-2000:])
-                free(device)
-        ok = v["fp32_tokens"].get("equal") is True and v["bf16_logprobs"].get("within_tolerance") is True
-        v.update(status="ok" if ok else "failed", seconds=round(time.monotonic() - t, 1))
-        slowest = max(slowest, time.monotonic() - t)
-        save(out_path, rec)
+    queue, running, slowest = list(names), {}, 0.0
+    try:
+        while queue or running:
+            # start no variant that the slowest so far says would not finish in time
+            while queue and len(running) < workers and time.time() + slowest < deadline:
+                name = queue.pop(0)
+                out = os.path.join(work_dir, f"exact-{name}.json")
+                if os.path.exists(out):
+                    os.remove(out)
+                cmd = [sys.executable, "-m", "benchmarks.device_exactness", name, device, work_dir, out]
+                with open(out[:-5] + ".log", "w", encoding="utf-8") as log:   # the child keeps it open
+                    running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                      stdin=subprocess.DEVNULL), out)
+            time.sleep(0.2)
+            for name, (proc, out) in list(running.items()):
+                if proc.poll() is None and time.time() < deadline:
+                    continue
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    rec["variants"][name]["status"] = "stopped at the phase's time limit"
+                else:   # a process that died without its record (a crash on the device) failed
+                    rec["variants"][name] = load(out) or dict(
+                        rec["variants"][name], status="failed", architecture=declared(work_dir, name),
+                        error=f"exit status {proc.returncode}", log_tail=log_tail(out[:-5] + ".log"))
+                    slowest = max(slowest, rec["variants"][name].get("seconds", 0))
+                del running[name]
+                save(out_path, rec)
+            if queue and not running and time.time() + slowest >= deadline:
+                for name in queue:
+                    rec["variants"][name]["status"] = "skipped: out of time"
+                queue = []
+    finally:   # stopped from outside (SIGTERM at the phase's limit): no variant outlives the phase
+        for proc, _ in running.values():
+            proc.kill()
     # the registry's architectures that no checked variant declares (a vision-language checkpoint
     # declares its image-text class, which pdserve serves as its text part: it covers no text class)
     from pdserve.models import ARCHITECTURES
@@ -241,3 +248,17 @@ def run(out_path: str, device: str, work_dir: str, names: list[str], deadline: f
     rec["registry_not_covered"] = sorted(set(ARCHITECTURES) - checked)
     save(out_path, rec)
     return rec
+
+
+def declared(work_dir: str, name: str) -> str | None:
+    """The architecture a variant's checkpoint declares, where it was made."""
+    try:
+        with open(os.path.join(work_dir, f"tiny-{name}", "config.json")) as f:
+            return json.load(f)["architectures"][0]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+if __name__ == "__main__":   # one variant: NAME DEVICE WORK_DIR OUT (run() starts these)
+    from benchmarks.device_check import save
+    save(sys.argv[4], check_variant(*sys.argv[1:4]))

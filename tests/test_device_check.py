@@ -16,7 +16,7 @@ from tests.helpers import hf_greedy
 from tools.make_model import corpus_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARCHS = ("llama", "opt")
+ARCHS = ("llama",)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,27 @@ def test_exactness_really_compared_tokens_with_transformers(dry_run):
     assert "LlamaForCausalLM" not in ex["registry_not_covered"] and "Qwen3ForCausalLM" in ex["registry_not_covered"]
     target = dry_run["json"]["targets"]["exact_every_arch"]
     assert target["status"] == "not measured" and "Qwen3ForCausalLM" in target["reason"]
+
+
+def test_a_reference_that_differs_fails_the_check(dry_run, monkeypatch):
+    """The phase's comparisons use transformers' answers: shift its tokens, or its logprobs, and the
+    variant fails (a comparison of pdserve with itself would still pass)."""
+    path = os.path.join(dry_run["work"], "tiny-llama")
+    greedy, logprobs = device_exactness.reference_greedy, device_exactness.reference_logprobs
+    monkeypatch.setattr(device_exactness, "reference_greedy",
+                        lambda model, prompt, n: [t + 1 for t in greedy(model, prompt, n)])
+    fp32 = device_exactness.fp32_tokens(path, "cpu")
+    assert fp32["equal"] is False and fp32["first_difference"]["position"] == 0
+    assert all(r == [t + 1 for t in o] for o, r in zip(fp32["ours"], fp32["reference"]))
+    dtypes = []
+
+    def shifted(model, ids):   # transformers' logprobs (bf16 and fp32 alike) moved by 2 nats
+        dtypes.append(model.dtype)
+        return logprobs(model, ids) - 2.0
+    monkeypatch.setattr(device_exactness, "reference_logprobs", shifted)
+    bf16 = device_exactness.bf16_logprobs(path, "cpu")
+    assert set(dtypes) == {torch.bfloat16, torch.float32}
+    assert bf16["within_tolerance"] is False and bf16["mean"] == pytest.approx(2.0, abs=0.05)
 
 
 def test_roofline_and_serving_figures_come_from_their_measurements(dry_run):
