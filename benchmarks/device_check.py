@@ -139,8 +139,8 @@ def run_phase(name: str, args) -> dict:
     if name == "exactness":
         from benchmarks import device_exactness
         names = args.archs or list(device_exactness.variants())
-        workers = min(len(names), max(1, (os.cpu_count() or 2) // 4), 4)   # 4 on the H200's 16 cores
-        return device_exactness.run(out, args.device, args.work_dir, names, args.deadline, workers)
+        return device_exactness.run(out, args.device, args.work_dir, names, args.deadline,
+                                    min(len(names), args.exactness_workers))
     if name == "make_8b":
         return make_8b(out, args)
     if name == "roofline":
@@ -193,6 +193,7 @@ def spawn_phase(name: str, args, limit: float, log) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.device_check", "--phase", name, "--out", args.out, "--device",
            args.device, "--work-dir", args.work_dir, "--deadline", str(time.time() + limit)]
     cmd += (["--dry-run"] if args.dry_run else []) + (["--archs", ",".join(args.archs)] if args.archs else [])
+    cmd += ["--exactness-workers", str(args.exactness_workers)]
     log.write(f"\n===== phase {name} (limit {limit:.0f} s): {' '.join(cmd)}\n")
     log.flush()
     t0 = time.monotonic()
@@ -309,6 +310,7 @@ def default_work_dir() -> str:
 
 def parse_args(argv):
     from benchmarks.device_exactness import variants
+    from pdserve.arg_types import int_at_least
     from pdserve.cli import Parser
     p = Parser(prog="python -m benchmarks.device_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for device_check.json, .txt and .log")
@@ -319,10 +321,14 @@ def parse_args(argv):
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds for all phases together")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {', '.join(PHASES)}")
     p.add_argument("--archs", default=None, help="exactness: comma-separated variants (default: every one)")
+    p.add_argument("--exactness-workers", type=int_at_least(1), default=None,
+                   help="exactness: variants checked at once, each in its own process (default: a quarter of the "
+                        "cores, at most 4: 4 on the H200's 16)")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)      # one phase, in its own process
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.device = args.device or ("cpu" if args.dry_run else "cuda")
+    args.exactness_workers = args.exactness_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
     if args.device.split(":")[0] not in ("cpu", "cuda"):
         p.error(f"--device {args.device!r}: cpu, cuda or cuda:N")
     if args.device == "cpu" and not args.dry_run:

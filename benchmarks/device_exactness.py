@@ -127,6 +127,11 @@ def fp32_tokens(path: str, device: str) -> dict:
     ours = [o.token_ids for o in outs]
     chunked = max(o.metrics.num_prefill_steps for o in outs) > 1
     backend = llm.engine.runner.backend.describe()
+    # the reference runs in this process after pdserve: fp32 matmuls as pdserve left them (TF32 would
+    # not be fp32), recorded
+    precision = dict(float32_matmul_precision=torch.get_float32_matmul_precision(),
+                     cuda_matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+                     cudnn_allow_tf32=torch.backends.cudnn.allow_tf32)
     del llm, outs
     free(device)
     t1 = time.perf_counter()
@@ -135,7 +140,7 @@ def fp32_tokens(path: str, device: str) -> dict:
     del model
     free(device)
     return dict(compare_tokens(ours, reference), ours=ours, reference=reference, prompt_lens=list(PROMPT_LENS),
-                chunked_prefill=chunked, backend=backend, pdserve_s=round(t1 - t0, 2),
+                chunked_prefill=chunked, backend=backend, precision=precision, pdserve_s=round(t1 - t0, 2),
                 reference_s=round(time.perf_counter() - t1, 2))
 
 
@@ -203,8 +208,7 @@ def run(out_path: str, device: str, work_dir: str, names: list[str], deadline: f
     yet started then is skipped, each saying so."""
     from benchmarks.device_check import load, log_tail, save
     rec = dict(phase="exactness", device=device, prompt_lens=list(PROMPT_LENS), new_tokens=NEW_TOKENS,
-               logprob_tolerance=LOGPROB_TOL, float32_matmul_precision=torch.get_float32_matmul_precision(),
-               workers=workers, variants={n: dict(arch=variants()[n][0], status="not run") for n in names})
+               logprob_tolerance=LOGPROB_TOL, workers=workers, variants={n: dict(arch=variants()[n][0], status="not run") for n in names})
     save(out_path, rec)
     queue, running, slowest = list(names), {}, 0.0
     try:

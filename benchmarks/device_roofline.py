@@ -84,6 +84,8 @@ def run(out_path: str, device: str, model: str, dry_run: bool) -> dict:
     rec["copy"] = copy_probe(s["copy_bytes"], device, s["probe_repeats"])
     rec["gemm"] = gemm_probe(s["gemm_n"], device, s["probe_repeats"])
     save(out_path, rec)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()   # the probes' 8 GiB back to the device: the engine sizes its cache from free memory
 
     t0 = time.monotonic()
     engine = build_engine(model, device, s["prefill"])

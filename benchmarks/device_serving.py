@@ -15,7 +15,7 @@ from benchmarks.workloads import Workload
 
 # (device, dry run): random prompts of 128 tokens, 128 out, two waves of 64 (the baseline's two batches)
 WORKLOADS = {False: Workload("c64", "random", 128, 128, 128, 64), True: Workload("c4", "random", 16, 8, 8, 4)}
-STOP_S = 35     # a server's stop (SIGTERM, then SIGKILL after 30 s) and the bench's exit
+END_S = 10      # kept at the end of the phase: the last server's stop, the record
 
 
 def commands(system: str, model: str, device: str, wl: Workload, port: int) -> list[str]:
@@ -39,13 +39,14 @@ def run(out_path: str, device: str, model: str, work_dir: str, dry_run: bool, de
     systems = ("pdserve", "static")
     for i, system in enumerate(systems):
         r = rec["systems"][system] = dict(status="not run")
-        # this server's share of the time left: half to start it, a quarter to each bench (warm-up, workload)
-        share = (deadline - time.time() - STOP_S * (len(systems) - i)) / (len(systems) - i)
+        # this server's share of the time left: 60% to start (16 GB to load), 20% to each bench (warm-up, workload)
+        share = (deadline - time.time() - END_S) / (len(systems) - i)
         if share < 30:
             r["status"] = f"skipped: out of time ({max(share, 0):.0f} s)"
             save(out_path, rec)
             continue
-        args = SimpleNamespace(start_timeout=share / 2, timeout=share / 4, out_dir=work_dir)
+        r["time_share_s"] = round(share)
+        args = SimpleNamespace(start_timeout=0.6 * share, timeout=0.2 * share, out_dir=work_dir)
         log_path = os.path.join(work_dir, "logs", f"serve-{system}.log")
 
         def make_server(system=system, log_path=log_path):
