@@ -41,6 +41,8 @@ from datetime import datetime, timezone
 
 # phase -> seconds it may take on the device, before what earlier phases left over
 PHASES = {"exactness": 120, "make_8b": 50, "roofline": 90, "serving": 180}
+TARGET_PHASE = {"decode_bandwidth_fraction": "roofline", "prefill_peak_fraction": "roofline",
+                "c64_vs_static": "serving", "exact_every_arch": "exactness", "bf16_logprobs_every_arch": "exactness"}
 MIN_START_S = 20          # a phase with less than this left is skipped
 STOP_GRACE_S = 40         # after SIGTERM at a phase's limit, before SIGKILL (its servers stop in 30)
 DEFAULT_BUDGET_S = 450    # the phases' sum and some slack: 8 minutes with the wheels' install
@@ -249,8 +251,10 @@ def evaluate_targets(phases: dict) -> dict:
     for key, (threshold, text) in TARGETS.items():
         fig = figures.get(key)
         if fig is None:
+            phase = TARGET_PHASE[key]
+            status = phases[phase].get("status", "?") if phase in phases else "not run"
             out[key] = dict(target=text, threshold=threshold, figure=None, status="not measured",
-                            reason=why.get(key, "its phase gave no figure"))
+                            reason=why.get(key, f"{phase} phase: {status}, no figure"))
         else:
             out[key] = dict(target=text, threshold=threshold, figure=fig, status="met" if fig >= threshold else "short")
     return out

@@ -12,5 +12,5 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     || { echo "device_check.sh: installing the wheels in .whl/ failed" >&2; exit 2; }
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec "$PY" -m benchmarks.device_check --out "${OUT:-$PWD/device-check-out}" "$@"
