@@ -361,18 +361,20 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         run_phase(args.phase, args)
         return 0
-    if args.device.startswith("cuda"):
-        import torch
-        if not torch.cuda.is_available():
-            print("device_check: error: no CUDA device here (on a CPU, run with --dry-run)", file=sys.stderr)
-            return 2
     os.makedirs(args.out, exist_ok=True)
-    os.makedirs(args.work_dir, exist_ok=True)
     started = time.monotonic()
     result = dict(check="pdserve device check (issue 43)", dry_run=args.dry_run, device=args.device,
                   budget_s=args.budget_s, work_dir=args.work_dir, environment=environment(args.device),
                   phases={}, targets={})
     json_path, log_path = os.path.join(args.out, "device_check.json"), os.path.join(args.out, "device_check.log")
+    if args.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():   # the JSON still says so, with what nvidia-smi saw
+            result["error"] = "no CUDA device here"
+            save(json_path, result)
+            print("device_check: error: no CUDA device here (on a CPU, run with --dry-run)", file=sys.stderr)
+            return 2
+    os.makedirs(args.work_dir, exist_ok=True)
     say(f"{result['environment']['date']}: phases {', '.join(args.phases)} on {args.device}, "
         f"budget {args.budget_s:.0f} s, work dir {args.work_dir}")
     with open(log_path, "a", encoding="utf-8") as log:

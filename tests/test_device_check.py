@@ -211,3 +211,5 @@ def test_bad_arguments_get_one_line(tmp_path, capsys, argv, message):
 def test_no_gpu_is_one_line(tmp_path, capsys):
     assert device_check.main(["--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == "device_check: error: no CUDA device here (on a CPU, run with --dry-run)"
+    res = json.loads((tmp_path / "device_check.json").read_text())   # written all the same
+    assert res["error"] == "no CUDA device here" and res["environment"]["device"] == "cuda"
