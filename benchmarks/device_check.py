@@ -131,8 +131,9 @@ def environment(device: str) -> dict:
 
 # --- phases ---------------------------------------------------------------------------------------
 
-def checkpoint_8b(work_dir: str) -> str:
-    return os.path.join(work_dir, "llama3-8b-shape")
+def checkpoint_8b(args) -> str:
+    """The 8B-shaped checkpoint's folder (the dry run's small stand-in has its own: never taken for it)."""
+    return os.path.join(args.work_dir, "dry-run-llama" if args.dry_run else "llama3-8b-shape")
 
 
 def run_phase(name: str, args) -> dict:
@@ -147,9 +148,9 @@ def run_phase(name: str, args) -> dict:
         return make_8b(out, args)
     if name == "roofline":
         from benchmarks import device_roofline
-        return device_roofline.run(out, args.device, checkpoint_8b(args.work_dir), args.dry_run)
+        return device_roofline.run(out, args.device, checkpoint_8b(args), args.dry_run)
     from benchmarks import device_serving
-    return device_serving.run(out, args.device, checkpoint_8b(args.work_dir), args.work_dir, args.dry_run,
+    return device_serving.run(out, args.device, checkpoint_8b(args), args.work_dir, args.dry_run,
                               args.deadline)
 
 
@@ -162,7 +163,7 @@ def make_8b(out: str, args) -> dict:
     """The Llama-3-8B-shaped bf16 checkpoint, drawn on the device; one left complete by an earlier
     run in the same work dir is used again."""
     from tools.make_model import make_model
-    path, done = checkpoint_8b(args.work_dir), os.path.join(checkpoint_8b(args.work_dir), ".complete")
+    path, done = checkpoint_8b(args), os.path.join(checkpoint_8b(args), ".complete")
     rec = dict(phase="make_8b", path=path, dry_run=args.dry_run)
     if os.path.exists(done):
         return _saved(out, dict(rec, status="ok", reused=True))
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.phases:
             limit = phase_limit(name, args.phases, started, args.budget_s)
             needs_8b = name in ("roofline", "serving")
-            have_8b = os.path.exists(os.path.join(checkpoint_8b(args.work_dir), ".complete"))
+            have_8b = os.path.exists(os.path.join(checkpoint_8b(args), ".complete"))
             if needs_8b and not have_8b:
                 rec = dict(status="skipped", reason="no 8B-shaped checkpoint (make_8b did not finish)")
             elif limit < MIN_START_S:
