@@ -9,13 +9,24 @@ from __future__ import annotations
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 from benchmarks.workloads import Workload
 
 # (device, dry run): random prompts of 128 tokens, 128 out, two waves of 64 (the baseline's two batches)
 WORKLOADS = {False: Workload("c64", "random", 128, 128, 128, 64), True: Workload("c4", "random", 16, 8, 8, 4)}
 END_S = 10      # kept at the end of the phase: the last server's stop, the record
+
+
+class ShareLimits:
+    """serve_and_bench's limits for one server: its start's, and each bench's, which is what is left of
+    the server's share when the bench starts (the warm-up takes seconds, the workload the rest)."""
+
+    def __init__(self, end: float, start_timeout: float, out_dir: str):
+        self.end, self.start_timeout, self.out_dir = end, start_timeout, out_dir
+
+    @property
+    def timeout(self) -> float:
+        return max(5.0, self.end - time.time())
 
 
 def commands(system: str, model: str, device: str, wl: Workload, port: int) -> list[str]:
@@ -39,14 +50,14 @@ def run(out_path: str, device: str, model: str, work_dir: str, dry_run: bool, de
     systems = ("pdserve", "static")
     for i, system in enumerate(systems):
         r = rec["systems"][system] = dict(status="not run")
-        # this server's share of the time left: 60% to start (16 GB to load), 20% to each bench (warm-up, workload)
+        # this server's share of the time left: at most 60% to start (16 GB to load), the rest to the benches
         share = (deadline - time.time() - END_S) / (len(systems) - i)
         if share < 30:
             r["status"] = f"skipped: out of time ({max(share, 0):.0f} s)"
             save(out_path, rec)
             continue
         r["time_share_s"] = round(share)
-        args = SimpleNamespace(start_timeout=0.6 * share, timeout=0.2 * share, out_dir=work_dir)
+        args = ShareLimits(time.time() + share, start_timeout=0.6 * share, out_dir=work_dir)
         log_path = os.path.join(work_dir, "logs", f"serve-{system}.log")
 
         def make_server(system=system, log_path=log_path):
