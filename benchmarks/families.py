@@ -88,12 +88,13 @@ def read_line(model: str, model_args: list[str], out: str, rounds: int, timeout:
 
 
 def serve_and_bench(rec: dict, make_server, label: str, out_prefix: str, name: str, args, seed: int,
-                    log=None) -> bool:
+                    log=None, workloads=None) -> bool:
     """Start the server make_server() builds (peers install and convert there), warm it up, run the c32
-    and c1 workloads on it into rec[...] (each written to out_prefix-WORKLOAD.json), stop it. False,
-    with rec saying why, where it did not start: a peer that cannot install, convert or start is a result.
-    log: the caller's progress lines (default: this module's)."""
+    and c1 workloads (or `workloads`) on it into rec[...] (each written to out_prefix-WORKLOAD.json),
+    stop it. False, with rec saying why, where it did not start: a peer that cannot install, convert
+    or start is a result. log: the caller's progress lines (default: this module's)."""
     log = log or say
+    workloads = workloads or [w for w in WORKLOADS["0.5b"] if w.name in ("c32", "c1")]
     try:
         server = make_server()
         log(f"{label}: starting")
@@ -106,7 +107,7 @@ def serve_and_bench(rec: dict, make_server, label: str, out_prefix: str, name: s
     log(f"{label}: ready after {server.ready_s:.1f} s")
     try:
         run_bench(server, name, WARMUP, seed, os.path.join(args.out_dir, "warmup.json"), args.timeout)
-        for i, wl in enumerate(w for w in WORKLOADS["0.5b"] if w.name in ("c32", "c1")):
+        for i, wl in enumerate(workloads):
             rec[wl.name] = run_bench(server, name, wl, seed + 1 + i, f"{out_prefix}-{wl.name}.json",
                                      args.timeout)   # fresh prompts each
             m = rec[wl.name].get("metrics", {})

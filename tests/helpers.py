@@ -23,19 +23,8 @@ def hf_model(path: str):
 
 def corpus_prompts(tokenizer, lens=PROMPT_LENS, offset=0) -> list[list[int]]:
     """Token-id prompts of exactly the given lengths, cut from varied corpus text."""
-    ids = _corpus_ids(tokenizer)
-    prompts, start = [], offset
-    for n in lens:
-        prompts.append(ids[start:start + n])
-        start += n * 3 + 11
-    return prompts
-
-
-@functools.lru_cache(maxsize=None)
-def _corpus_ids(tokenizer) -> list[int]:
-    from tools.make_model import corpus_texts
-    text = " ".join(corpus_texts())[:40000]   # ~10k tokens: plenty, and fast to encode
-    return tokenizer.encode(text, add_special_tokens=False)
+    from tools.make_model import corpus_prompts
+    return corpus_prompts(tokenizer, lens, offset)
 
 
 @torch.no_grad()

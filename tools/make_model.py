@@ -8,7 +8,8 @@ Mistral 3 / Ministral 3 with a tiny vision tower) and saved with
 `tokenizers` on the corpus shipped in tools/corpus, following each family's
 special-token conventions, so `transformers.AutoTokenizer` and `pdserve.tokenizer.Tokenizer`
 give identical ids. Tests build tiny checkpoints with this; `--size 0.5b` gives a
-Qwen2.5-0.5B-shaped model for benchmarks.
+Qwen2.5-0.5B-shaped model for benchmarks, `--size 8b --dtype bfloat16 --device cuda` a
+Llama-3-8B-shaped one, drawn on the GPU (benchmarks/device_check.py).
 
 Init scale. transformers' usual init (std 0.02) gives nearly flat logits, where float noise
 flips the greedy argmax and exact-equality tests against transformers become unfair. We draw
@@ -49,6 +50,7 @@ window), and greedy continuations differ across prompts.
 tests/test_make_model.py re-checks this for every arch.
 """
 import argparse
+import functools
 import sys
 import json
 import math
@@ -61,7 +63,7 @@ from pdserve.errors import CheckpointError
 ARCHS = ("opt", "llama", "qwen2", "mistral", "gemma2", "gemma3", "phi3")
 ARCHS += ("qwen3", "olmo2", "granite", "smollm3", "ministral", "ministral3")
 ARCHS += ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
-SIZES = ("tiny", "0.5b", "hub")
+SIZES = ("tiny", "0.5b", "hub", "8b")
 INIT_GAIN = 2.0  # weight matrices: std = INIT_GAIN / sqrt(fan_in), 0.25 at width 64
 EMBED_GAIN = 8.0  # embeddings and lm_head: std = EMBED_GAIN / sqrt(dim), 1.0 at 64; sets the logit scale
 ONE_D_STD = 0.1  # spread of biases and norm weights
@@ -147,6 +149,12 @@ for _arch, _text in VLM_TEXT.items():
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, opt_ffn=256, max_pos=1024, vocab=1500)
 QWEN05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, opt_ffn=4864, max_pos=32768,
                vocab=32000, model_vocab=151936, rope_theta=1000000.0)
+# `--size 8b`: Llama-3-8B's shape (8.03B parameters, 16 GB in bf16) for the GPU roofline
+# (benchmarks/device_check.py). Draw it where it will run (`--device cuda`): 8B normals take minutes
+# on a CPU and well under a second on a GPU.
+LLAMA3_8B = dict(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, opt_ffn=14336, max_pos=8192,
+                 vocab=32000, model_vocab=128256, rope_theta=500000.0)
+SHAPES = {"tiny": TINY, "0.5b": QWEN05B, "hub": QWEN05B, "8b": LLAMA3_8B}
 # `--size hub`: the smallest Hub model of a family at its real shape (config.json of Qwen/Qwen3-0.6B and
 # google/gemma-3-1b-it), for benchmarks at the shapes people download; the tokenizer stays the 32k one.
 HUB_SHAPES = {
@@ -187,6 +195,23 @@ def corpus_texts(max_story_chars: int | None = None) -> list[str]:
     with open(os.path.join(CORPUS_DIR, "unicode.txt"), encoding="utf-8") as f:
         texts.extend(f.read().splitlines())
     return texts
+
+
+def corpus_prompts(tokenizer, lens, offset: int = 0) -> list[list[int]]:
+    """Token-id prompts of exactly the given lengths, cut from varied corpus text (`tokenizer`: a
+    pdserve Tokenizer of a checkpoint made here); the tests' prompts and the device check's."""
+    ids = _corpus_ids(tokenizer)
+    prompts, start = [], offset
+    for n in lens:
+        prompts.append(ids[start:start + n])
+        start += n * 3 + 11
+    return prompts
+
+
+@functools.lru_cache(maxsize=None)
+def _corpus_ids(tokenizer) -> list[int]:
+    text = " ".join(corpus_texts())[:40000]   # ~10k tokens: plenty, and fast to encode
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def train_tokenizer(arch: str, vocab_size: int, texts: list[str]):
@@ -253,7 +278,7 @@ def build_config(arch: str, size: str, vocab_size: int, special_ids: dict, overr
 
     if arch in VLM_TEXT:
         return vlm_config(arch, size, vocab_size, special_ids, overrides)
-    s = TINY if size == "tiny" else QWEN05B
+    s = SHAPES[size]
     std = INIT_GAIN / math.sqrt(s["hidden"])  # recorded in the config; init_weights does the actual init
     common = dict(vocab_size=vocab_size, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
                   num_attention_heads=s["heads"], max_position_embeddings=s["max_pos"],
@@ -436,13 +461,16 @@ MODEL_CLASSES.update(qwen3="Qwen3ForCausalLM", olmo2="Olmo2ForCausalLM", granite
                      gpt_oss="GptOssForCausalLM")
 
 
-def init_weights(model, seed: int) -> None:
-    """Peaked random init (see module docstring); the std shrinks with width so 0.5b stays finite."""
+def init_weights(model, seed: int, device: str = "cpu") -> None:
+    """Peaked random init (see module docstring); the std shrinks with width so 0.5b stays finite.
+    device: where the numbers are drawn (the model's parameters are there); each device's generator
+    gives its own numbers for a seed."""
     import torch
 
     gemma = model.config.model_type.startswith("gemma")
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    randn = lambda shape: torch.randn(shape, generator=gen, device=gen.device)  # noqa: E731
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied weights appear once
             if p.dim() >= 2:
@@ -450,23 +478,24 @@ def init_weights(model, seed: int) -> None:
                 # [(experts,) out, in] for linears, [rows, dim] for embeddings; gpt-oss's experts are [E, in, out]
                 fan_in = p.shape[-2] if ".experts." in name and model.config.model_type == "gpt_oss" else p.shape[-1]
                 std = gain / math.sqrt(fan_in)
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                p.copy_(randn(p.shape) * std)
             elif name.endswith("sinks"):   # gpt-oss's sink logits: about the size of the attention scores
-                p.copy_(torch.randn(p.shape, generator=gen))
+                p.copy_(randn(p.shape))
             elif name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * ONE_D_STD)
+                p.copy_(randn(p.shape) * ONE_D_STD)
             else:  # norm weights
-                p.copy_(norm_center(gemma, name, p.shape[0]) + torch.randn(p.shape, generator=gen) * ONE_D_STD)
+                p.copy_(norm_center(gemma, name, p.shape[0]) + randn(p.shape) * ONE_D_STD)
         for name, b in model.named_buffers():   # DeepSeek-V3's router bias (a buffer): choosing must use it
             if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * ONE_D_STD)
+                b.copy_(randn(b.shape) * ONE_D_STD)
 
 
 def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0, force: bool = False,
-               mxfp4: bool = False, dtype: str = "float32", **config_overrides) -> str:
+               mxfp4: bool = False, dtype: str = "float32", device: str = "cpu", **config_overrides) -> str:
     """Write a random-init checkpoint of `arch` at `size` to out_dir; returns out_dir. mxfp4 (gpt_oss
     only): its experts written as MXFP4 blocks and scales, as the Hub ships gpt-oss. dtype: the
-    weights' dtype (bfloat16 builds the larger sizes at half the memory, as the Hub ships them)."""
+    weights' dtype (bfloat16 builds the larger sizes at half the memory, as the Hub ships them).
+    device: where the weights are made and drawn (cuda: the 8b size in seconds)."""
     import torch
     import transformers
 
@@ -478,6 +507,10 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
         raise CheckpointError(f"{out_dir}: unknown --size {size!r} (choose from {', '.join(SIZES)})")
     if dtype not in ("float32", "bfloat16"):
         raise CheckpointError(f"{out_dir}: unknown --dtype {dtype!r} (choose from float32, bfloat16)")
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise CheckpointError(f"{out_dir}: unknown --device {device!r} (cpu, cuda or cuda:N)")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise CheckpointError(f"{out_dir}: --device {device}: no CUDA device here")
     if size == "hub":
         if arch not in HUB_SHAPES:
             raise CheckpointError(f"{out_dir}: no --size hub shape for {arch!r} (have: {', '.join(HUB_SHAPES)})")
@@ -491,7 +524,7 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
         shutil.rmtree(out_dir)
     os.makedirs(out_dir, exist_ok=True)
 
-    s = TINY if size == "tiny" else QWEN05B
+    s = SHAPES[size]
     # The tiny tokenizer only needs part of the corpus; it keeps test setup fast.
     tok = train_tokenizer(arch, s["vocab"], corpus_texts(max_story_chars=400_000 if size == "tiny" else None))
     fam = FAMILIES[arch]
@@ -503,18 +536,18 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
     try:
         config = build_config(arch, size, vocab, ids, config_overrides)
         if size == "tiny":
-            model = model_cls(config).to(getattr(torch, dtype))
-            init_weights(model, seed)
+            model = model_cls(config).to(getattr(torch, dtype)).to(device)
+            init_weights(model, seed, device)
             with torch.no_grad():  # a bad override (e.g. heads not dividing) fails here, not in a later test
-                if not torch.isfinite(model(torch.tensor([[0, 1, 2]])).logits).all():
+                if not torch.isfinite(model(torch.tensor([[0, 1, 2]], device=device)).logits).all():
                     raise ValueError("non-finite logits")
         else:
             # Skip transformers' own init of 0.5B parameters; init_weights fills them all anyway.
             with torch.device("meta"):
                 model = model_cls(config).to(getattr(torch, dtype))
-            model = model.to_empty(device="cpu")
+            model = model.to_empty(device=device)
             model.tie_weights()  # to_empty gives tied weights separate storage
-            init_weights(model, seed)
+            init_weights(model, seed, device)
             # The tokenizer fills only a sliver of the 151936 rows; keep the rest near zero (as unused rows
             # of a trained model are) so greedy output is mostly ids the tokenizer can decode.
             with torch.no_grad():
@@ -584,13 +617,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty out_dir")
     parser.add_argument("--mxfp4", action="store_true", help="gpt_oss: write the experts in MXFP4, as the Hub ships them")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype")
+    parser.add_argument("--device", default="cpu",
+                        help="where the weights are made and drawn (cuda: `--size 8b --dtype bfloat16` in seconds)")
     parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. --set tie_word_embeddings=true (repeatable)")
 
 
 def run(args) -> int:
     out = make_model(args.out_dir, args.arch, args.size, args.seed, force=args.force, mxfp4=args.mxfp4,
-                     dtype=args.dtype, **dict(args.overrides))
+                     dtype=args.dtype, device=args.device, **dict(args.overrides))
     print(f"wrote {args.arch} {args.size} checkpoint to {out}")
     return 0
 

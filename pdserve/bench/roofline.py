@@ -57,6 +57,14 @@ def held_bytes_per_weight(model: torch.nn.Module) -> dict[str, float]:
     return {k: b / n if n else 0.0 for k, (b, n) in held.items()}
 
 
+def held_cost(engine) -> tuple[ModelCost, dict[str, float]]:
+    """The engine's model cost with its weights' bytes as held (held_bytes_per_weight), and those bytes."""
+    held = held_bytes_per_weight(engine.runner.model)
+    return replace(ModelCost.from_config(engine.model_config, engine.runner.dtype.itemsize),
+                   weight_itemsize=held["linear"], lm_head_itemsize=held["lm_head"],
+                   expert_itemsize=held["experts"]), held
+
+
 class ExpertCounter:
     """Counts the routed experts each forward selects, summed over the MoE layers: forward hooks on
     the routers, whose (weights, ids) output names each token's experts."""
@@ -282,9 +290,7 @@ def run(args) -> int:
     probe_args = (args.quick, ["float32", "bfloat16", dtype], max(repeats, 3))
     limits = machine_limits.measure(*probe_args)
 
-    held = held_bytes_per_weight(engine.runner.model)
-    mc = replace(ModelCost.from_config(engine.model_config, engine.runner.dtype.itemsize), weight_itemsize=held["linear"],
-                 lm_head_itemsize=held["lm_head"], expert_itemsize=held["experts"])
+    mc, held = held_cost(engine)
     print("weights as held (what a step reads): " + ", ".join(
         f"{k} {8 * v:.2f} bits/weight" for k, v in held.items() if v))
     # a mixture of experts: each point's expert reads counted from its routers (the step's own routing)

@@ -221,6 +221,31 @@ def test_half_billion_shape_without_building_it():
     assert 490e6 < sum(p.numel() for p in model.parameters()) < 500e6
 
 
+def test_llama3_8b_shape_without_building_it(tmp_path):
+    # `--size 8b` (the GPU roofline's checkpoint, drawn on the GPU): Llama-3-8B's 8.03B parameters
+    cfg = build_config("llama", "8b", 128256, {"bos": 1, "eos": 2, "pad": None}, {})
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (4096, 32, 32, 8, 14336, 128256, False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    assert 8.02e9 < sum(p.numel() for p in model.parameters()) < 8.04e9
+    with pytest.raises(CheckpointError, match="unknown --device"):
+        make_model(str(tmp_path / "x"), "llama", device="tpu")
+
+
+def test_8b_path_at_a_small_width_draws_every_weight(tmp_path):
+    # the 8b size's path (meta, to_empty on --device, init_weights there), shrunk by overrides as the
+    # device check's dry run shrinks it: a bf16 checkpoint with the 8b vocabulary padding rule
+    path = make_model(str(tmp_path / "m"), "llama", size="8b", dtype="bfloat16", hidden_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=4096)
+    cfg = config_of(path)
+    assert (cfg["vocab_size"], cfg["max_position_embeddings"], cfg["tie_word_embeddings"]) == (4096, 8192, False)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            assert t.dtype == torch.bfloat16 and torch.isfinite(t).all() and t.float().std() > 0, name
+
+
 @pytest.mark.parametrize("arch, vocab, total, non_embedding", [
     ("qwen3", 151936, 596e6, 440e6), ("gemma3", 151936, 1000e6, 698e6),
     ("qwen3_moe", 151936, 30.53e9, 29.92e9), ("gpt_oss", 201088, 20.91e9, 19.75e9)])
