@@ -15,12 +15,13 @@ a wrong answer: the replica's own prefix cache checks every hit.
 
 The prompt is the one the engine will get: PromptHasher renders a request body with the server's
 own rendering (its tokenizer; for chat, ChatCompletionRequest.template_input, as the handler
-calls it), so a chat that carries tool calls is hashed over the tokens the engine caches."""
+calls it, and with --reasoning-parser gpt_oss harmony's rendering, not the template's), so a chat
+that carries tool calls is hashed over the tokens the engine caches."""
 import itertools
 from collections import OrderedDict
 
 from pdserve.engine.block_manager import hash_block
-from pdserve.server import tool_calls
+from pdserve.server import reasoning_parsers, tool_calls
 from pdserve.server.protocol import ChatCompletionRequest
 
 POLICIES = ("prefix-aware", "round-robin", "least-loaded")
@@ -37,10 +38,12 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, salt: str | None 
 
 
 class PromptHasher:
-    """A request body's prompt block hashes, rendered as the server renders it for the engine."""
+    """A request body's prompt block hashes, rendered as the server renders it for the engine.
+    reasoning_parser: the replicas' --reasoning-parser (gpt_oss renders chats with harmony)."""
 
-    def __init__(self, tokenizer, block_size: int):
+    def __init__(self, tokenizer, block_size: int, reasoning_parser: str | None = None):
         self.tokenizer, self.block_size = tokenizer, block_size
+        self.reasoning = reasoning_parsers.build(reasoning_parser, tokenizer) if reasoning_parser else None
 
     def __call__(self, path: str, body: dict) -> list[int]:
         """[] when the body is not one the router can read: the replica answers it with its precise 400."""
@@ -48,7 +51,10 @@ class PromptHasher:
             if path == "/v1/chat/completions":
                 req = ChatCompletionRequest.model_validate(body)
                 messages, template_vars = req.template_input(tool_calls.offered(req))
-                ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, **template_vars)
+                if self.reasoning is not None and self.reasoning.harmony:
+                    ids = self.reasoning.render(messages, template_vars.get("tools", []), req.reasoning_effort)
+                else:
+                    ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, **template_vars)
             elif path == "/v1/completions":
                 prompt = body["prompt"]
                 if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

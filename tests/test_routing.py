@@ -12,6 +12,8 @@ from pdserve.routing import PromptHasher, Router, prompt_block_hashes
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 from tests.helpers import finish_all
+from tests.server.harmony_model import ASK_WEATHER, harmony_model  # noqa: F401 (a fixture)
+from tests.server.harmony_model import TOOLS as HARMONY_TOOLS
 from tests.server.inprocess import serve
 from tests.server.test_tool_calls import TEMPLATE, TOOLS
 
@@ -159,6 +161,27 @@ def test_a_chat_with_tool_calls_is_hashed_over_the_prompt_the_engine_gets(tool_m
     hashes = PromptHasher(Tokenizer.from_dir(tool_model), BS)("/v1/chat/completions", body)
     assert len(prompts) == 1 and len(hashes) == (len(prompts[0]) - 1) // BS > 10
     assert hashes == prompt_block_hashes(prompts[0], BS)
+
+
+def test_a_harmony_chat_is_hashed_over_harmonys_rendering(harmony_model):
+    # --reasoning-parser gpt_oss: the server renders chats with harmony, not the chat template
+    engine = LLMEngine(harmony_model, block_size=BS, num_kv_blocks=300)
+    prompts, add = [], engine.add_request
+
+    def spy(request_id, prompt, params, arrival_time=None):
+        prompts.append(list(prompt))
+        return add(request_id, prompt, params, arrival_time=arrival_time)
+    engine.add_request = spy
+    body = {"model": "tiny", "max_tokens": 1, "reasoning_effort": "high", "tools": HARMONY_TOOLS,
+            "messages": [{"role": "system", "content": "Be brief."}, *ASK_WEATHER]}
+    with serve(engine, reasoning_parser="gpt_oss") as url:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    tokenizer = Tokenizer.from_dir(harmony_model)
+    hashes = PromptHasher(tokenizer, BS, "gpt_oss")("/v1/chat/completions", body)
+    assert len(prompts) == 1 and len(hashes) == (len(prompts[0]) - 1) // BS > 10
+    assert hashes == prompt_block_hashes(prompts[0], BS)
+    assert PromptHasher(tokenizer, BS)("/v1/chat/completions", body) != hashes   # the template's rendering differs
 
 
 def test_a_body_the_router_cannot_read_has_no_hashes(tiny_llama):

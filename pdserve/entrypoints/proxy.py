@@ -16,6 +16,7 @@ from pdserve.proxy.pairing import check_pairing
 from pdserve.proxy.relay import Proxy
 from pdserve.proxy.workers import Pool, Worker, worker_url
 from pdserve.routing import POLICIES, PromptHasher, Router
+from pdserve.server.reasoning_parsers import PARSERS as REASONING_PARSERS
 from pdserve.tokenizer import Tokenizer
 from pdserve.arg_types import seconds
 from pdserve.entrypoints.network import bind
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="the workers' checkpoint directory: --routing prefix-aware renders each prompt with its "
                         "tokenizer and chat template, as the workers do")
+    w.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS), metavar="NAME",
+                   help="the workers' --reasoning-parser: with gpt_oss they render chats with harmony, and so "
+                        "does --routing prefix-aware (default: none)")
     w.add_argument("--connect-timeout", type=seconds, default=5.0, metavar="SECONDS",
                    help="a worker that does not accept a connection within this is unavailable: 503 "
                         "(default: %(default)s)")
@@ -63,7 +67,8 @@ def build(args: argparse.Namespace):
         raise ConfigError("--routing prefix-aware needs --tokenizer DIR (the workers' checkpoint directory)")
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     pairing = check_pairing(prefill, decode, headers, timeout=args.connect_timeout)
-    hasher = PromptHasher(Tokenizer.from_dir(args.tokenizer), pairing.block_size) if prefix else None
+    hasher = PromptHasher(Tokenizer.from_dir(args.tokenizer), pairing.block_size, args.reasoning_parser) \
+        if prefix else None
     # the prompt's cached blocks live where it was prefilled; a decode worker only needs room
     pools = Pool(prefill, Router(args.routing)), Pool(decode, Router("least-loaded" if prefix else args.routing))
     proxy = Proxy(*pools, ProxyMetrics(pairing.model, pools), args.read_timeout, args.api_key or None,

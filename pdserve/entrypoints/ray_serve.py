@@ -54,7 +54,7 @@ def build_application(args: argparse.Namespace, num_replicas: int | None = None)
     if getattr(args, "prefill_replicas", None) is None:
         engines = deployment(ENGINES, args.routing, num_replicas or args.num_replicas or 1).bind(kwargs, config)
         return serve.deployment(ingress_class(), name="Ingress").options(**ingress).bind(
-            engines, args.model, args.block_size, args.ray_retry_failed)
+            engines, args.model, args.block_size, args.ray_retry_failed, reasoning_parser=args.reasoning_parser)
     # P/D pools: the prompt's cached blocks live where it was prefilled, so prefill is routed by
     # --routing (prefix-aware by default); a decode replica only needs room: least-loaded. A
     # loopback --kv-transfer-host (the default) would be unreachable from other nodes: the node's IP.
@@ -68,7 +68,8 @@ def build_application(args: argparse.Namespace, num_replicas: int | None = None)
     decode = deployment(POOLS["decode"], "least-loaded", args.decode_replicas).bind(
         {**kwargs, "role": "decode", "kv_transfer_secret": secret, "kv_engine_id": pool_id}, config)
     return serve.deployment(pd_ingress_class(), name="Ingress").options(**ingress).bind(
-        prefill, decode, args.model, args.block_size, args.ray_retry_failed, decode_engine_id=pool_id, kv_secret=secret)
+        prefill, decode, args.model, args.block_size, args.ray_retry_failed, decode_engine_id=pool_id, kv_secret=secret,
+        reasoning_parser=args.reasoning_parser)
 
 
 def check_pools(args: argparse.Namespace, max_calls: int = 64) -> None:

@@ -29,10 +29,11 @@ def replica_failed(what: str) -> WorkerFailure:
 
 
 class Ingress:
-    def __init__(self, engines, model: str, block_size: int, retry_failed: bool = False, max_attempts: int = 3):
+    def __init__(self, engines, model: str, block_size: int, retry_failed: bool = False, max_attempts: int = 3,
+                 reasoning_parser: str | None = None):
         from pdserve.tokenizer import Tokenizer
         self.engines = engines   # DeploymentHandle of the EngineReplica deployment
-        self.hasher = PromptHasher(Tokenizer.from_dir(model), block_size)
+        self.hasher = PromptHasher(Tokenizer.from_dir(model), block_size, reasoning_parser)
         self.retry_failed = retry_failed
         self.max_attempts = max_attempts
 

@@ -30,8 +30,9 @@ BODY_HEADERS = {b"content-length", b"content-type", b"transfer-encoding"}
 
 class PDIngress(Ingress):
     def __init__(self, prefill, decode, model: str, block_size: int, retry_failed: bool = False,
-                 max_attempts: int = 3, decode_engine_id: str | None = None, kv_secret: str | None = None):
-        super().__init__(decode, model, block_size, retry_failed, max_attempts)
+                 max_attempts: int = 3, decode_engine_id: str | None = None, kv_secret: str | None = None,
+                 reasoning_parser: str | None = None):
+        super().__init__(decode, model, block_size, retry_failed, max_attempts, reasoning_parser)
         self.prefill = prefill   # DeploymentHandles of the prefill and the decode engine deployments
         self.decode = decode
         self.decode_engine_id, self.kv_secret = decode_engine_id, kv_secret
