@@ -54,10 +54,17 @@ class GGUFFile:
         return [bytes(parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
 
     def int_array(self, key: str) -> np.ndarray | None:
+        return self._number_array(key, np.int64)
+
+    def float_array(self, key: str) -> np.ndarray | None:
+        """(tokenizer.ggml.scores: float32 in the file, kept exact as float64)"""
+        return self._number_array(key, np.float64)
+
+    def _number_array(self, key: str, dtype) -> np.ndarray | None:
         field = self.reader.fields.get(key)
         if field is None:
             return None
-        return np.array([int(field.parts[i][0]) for i in field.data]) if field.data else np.zeros(0, dtype=np.int64)
+        return np.array([field.parts[i][0] for i in field.data], dtype=dtype)
 
 
 @functools.lru_cache(maxsize=2)

@@ -1,13 +1,23 @@
 """The tokenizer of a GGUF file, built from its `tokenizer.*` metadata as an HF fast tokenizer.
 
-The vocabulary (tokenizer.ggml.tokens, in byte-level form), the merges and the token types come
-from the file; the pre-tokenizer is the one `tokenizer.ggml.pre` names, written as the regex and
-normalizer that family's HF tokenizer.json has (llama.cpp keeps the same regexes in
-llama-vocab.cpp); CONTROL tokens are special added tokens, USER_DEFINED ones plain added tokens;
-BOS is prepended when tokenizer.ggml.add_bos_token says so; UNUSED tokens (the converter's
-padding of the vocabulary) are left out. Generation stops at the file's eos,
-eot and eom tokens and, as llama.cpp decides its end-of-generation tokens, at any CONTROL token
-whose text is one of the usual end-of-turn markers (END_OF_TURN)."""
+Two tokenizer models (tokenizer.ggml.model):
+- "gpt2", byte-level BPE: the vocabulary (in byte-level form), the merges and the token types come
+  from the file; the pre-tokenizer is the one `tokenizer.ggml.pre` names, written as the regex and
+  normalizer that family's HF tokenizer.json has (llama.cpp keeps the same regexes in
+  llama-vocab.cpp).
+- "llama", SentencePiece BPE (Llama 2, Mistral, Gemma, Phi-3): the pieces ("▁" for a space), their
+  scores and types; the merges are recovered from the scores, characters missing from the
+  vocabulary fall back to the byte pieces <0x00>..<0xFF>, and the space handling is the one the
+  model's HF tokenizer has (see SPM_FORMS).
+Any other model (SentencePiece Unigram "t5", WordPiece "bert", ...) is refused.
+
+CONTROL tokens are special added tokens, USER_DEFINED ones plain added tokens; BOS is prepended
+when tokenizer.ggml.add_bos_token says so (SentencePiece files without the flag get it, as
+llama.cpp and transformers give it); UNUSED tokens (the converter's padding of the vocabulary) are
+left out. Generation stops at the file's eos, eot and eom tokens and, as llama.cpp decides its
+end-of-generation tokens, at any CONTROL token whose text is one of the usual end-of-turn markers
+(END_OF_TURN)."""
+import numpy as np
 from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders
@@ -27,7 +37,7 @@ PRE_TOKENIZERS = {
     "qwen2": (QWEN2_REGEX, True),
     "gpt-2": (None, False), "default": (None, False),
 }
-CONTROL, USER_DEFINED, UNUSED = 3, 4, 5   # llama.cpp's token types
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6   # llama.cpp's token types
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
                "<EOT>", "<|end_of_text|>", "<end_of_utterance>")
 
@@ -35,26 +45,57 @@ END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoft
 def build_tokenizer(f: GGUFFile) -> tuple[RustTokenizer, dict, dict, str | None]:
     """(backend, tokenizer_config, generation_config, chat_template), as Tokenizer's constructor takes them."""
     model = f.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in BUILDERS:
         raise CheckpointError(f"{f.path}: tokenizer model {model!r} is not supported (supported: gpt2, "
-                              "byte-level BPE)")
+                              "byte-level BPE; llama, SentencePiece BPE)")
+    tokens = f.string_array("tokenizer.ggml.tokens")
+    types = f.int_array("tokenizer.ggml.token_type")
+    if tokens is None:
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens is missing")
+    if types is not None and len(types) != len(tokens):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    build, special_types, add_bos_default = BUILDERS[model]
+    backend, tokens, types = build(f, tokens, types)
+    if types is not None:
+        added = [AddedToken(tokens[i], special=int(types[i]) in special_types, normalized=False)
+                 for i in range(len(tokens)) if int(types[i]) in special_types + (USER_DEFINED,)]
+        backend.add_tokens(added)   # already in the vocabulary: they keep their ids
+
+    def text(key):
+        i = f.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    bos, eos = text("bos"), text("eos")
+    add_bos = f.get("tokenizer.ggml.add_bos_token", add_bos_default)
+    add_eos = f.get("tokenizer.ggml.add_eos_token", False)
+    if (add_bos and bos is None) or (add_eos and eos is None):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.add_bos/eos_token is set but the token id is missing")
+    if add_bos or add_eos:
+        single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
+        pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
+        specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x, on in ((bos, add_bos), (eos, add_eos)) if on)]
+        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    config = {"bos_token": bos, "eos_token": eos, "unk_token": text("unknown"), "pad_token": text("padding"),
+              "clean_up_tokenization_spaces": False}
+    stops = [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    if types is not None:
+        stops += [i for i, t in enumerate(tokens) if t in END_OF_TURN and int(types[i]) == CONTROL]
+    generation = {"eos_token_id": list(dict.fromkeys(i for i in stops if isinstance(i, int)))}
+    return backend, config, generation, f.get("tokenizer.chat_template")
+
+
+def byte_level_backend(f: GGUFFile, tokens: list[str], types) -> tuple[RustTokenizer, list[str], object]:
+    """"gpt2": byte-level BPE with the file's merges and the pre-tokenizer tokenizer.ggml.pre names."""
     pre = f.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"{f.path}: pre-tokenizer {pre!r} is not supported "
                               f"(supported: {', '.join(PRE_TOKENIZERS)})")
-    tokens = f.string_array("tokenizer.ggml.tokens")
     merges = f.string_array("tokenizer.ggml.merges")
-    types = f.int_array("tokenizer.ggml.token_type")
-    if tokens is None or merges is None:
-        raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
-    if types is not None and len(types) != len(tokens):
-        raise CheckpointError(f"{f.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    # UNUSED tokens are the converter's padding of the vocabulary to the embedding's rows
-    # ([PAD1500], ...): not the tokenizer's; ids beyond it decode to nothing, as in transformers
-    vocab = {t: i for i, t in enumerate(tokens) if types is None or int(types[i]) != UNUSED}
+    if merges is None:
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.merges is missing")
     try:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        backend = RustTokenizer(BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+        backend = RustTokenizer(BPE(model_vocab(tokens, types), pairs, fuse_unk=False, byte_fallback=False))
     except Exception as e:
         raise CheckpointError(f"{f.path}: its vocabulary does not make a BPE tokenizer ({e})") from None
     regex, nfc = PRE_TOKENIZERS[pre]
@@ -67,28 +108,124 @@ def build_tokenizer(f: GGUFFile) -> tuple[RustTokenizer, dict, dict, str | None]
             pre_tokenizers.Split(Regex(regex), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
-    if types is not None:
-        added = [AddedToken(tokens[i], special=int(types[i]) == CONTROL, normalized=False)
-                 for i in range(len(tokens)) if int(types[i]) in (CONTROL, USER_DEFINED)]
-        backend.add_tokens(added)   # already in the vocabulary: they keep their ids
+    return backend, tokens, types
 
-    def text(key):
-        i = f.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
-    bos, eos = text("bos"), text("eos")
-    add_bos, add_eos = f.get("tokenizer.ggml.add_bos_token", False), f.get("tokenizer.ggml.add_eos_token", False)
-    if (add_bos and bos is None) or (add_eos and eos is None):
-        raise CheckpointError(f"{f.path}: tokenizer.ggml.add_bos/eos_token is set but the token id is missing")
-    if add_bos or add_eos:
-        single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
-        pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
-        specials = [(t, vocab[t]) for t in dict.fromkeys(x for x, on in ((bos, add_bos), (eos, add_eos)) if on)]
-        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
-    config = {"bos_token": bos, "eos_token": eos, "unk_token": text("unknown"), "pad_token": text("padding"),
-              "clean_up_tokenization_spaces": False}
-    stops = [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    if types is not None:
-        stops += [i for i, t in enumerate(tokens) if t in END_OF_TURN and int(types[i]) == CONTROL]
-    generation = {"eos_token_id": list(dict.fromkeys(i for i in stops if isinstance(i, int)))}
-    return backend, config, generation, f.get("tokenizer.chat_template")
+def model_vocab(tokens: list[str], types) -> dict[str, int]:
+    """token -> id without the UNUSED tokens: those are the converter's padding of the vocabulary to
+    the embedding's rows ([PAD1500], ...), not the tokenizer's; ids beyond it decode to nothing, as
+    in transformers."""
+    return {t: i for i, t in enumerate(tokens) if types is None or int(types[i]) != UNUSED}
+
+
+# ---------------------------------------------------------------- SentencePiece BPE
+
+SPACE = "\u2581"   # "▁": SentencePiece's spelling of a space inside a piece
+BYTE_PIECES = frozenset(f"<0x{b:02X}>" for b in range(256))
+
+
+def metaspace_form(prefix: bool):
+    """transformers' LlamaTokenizer (Llama 2, Mistral, and what transformers reads a llama GGUF
+    as): spaces become "▁" and, with the space prefix, one "▁" goes before the text unless it
+    already starts with a space, and only at the start of the text, not after a special token;
+    decoding drops that one leading space again."""
+    pre = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first" if prefix else "never", split=False)
+    return None, pre, spm_decoder(strip_prefix=prefix)
+
+
+def prepend_form(prefix: bool):
+    """Phi-3's tokenizer.json (transformers reads it as it is, and a phi3 GGUF likewise): the prefix
+    comes from a normalizer, so it goes before every stretch of text (after special tokens too) and
+    also before text that already starts with a space."""
+    if not prefix:
+        return None
+    norm = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    return norm, None, spm_decoder(strip_prefix=True)
+
+
+def gemma_form(prefix: bool):
+    """transformers' GemmaTokenizer: spaces become "▁", no prefix."""
+    if prefix:
+        return None
+    pre = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    return normalizers.Replace(" ", SPACE), pre, spm_decoder(strip_prefix=False)
+
+
+def spm_decoder(strip_prefix: bool):
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    return decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if strip_prefix else []))
+
+
+# how each architecture's HF tokenizer marks spaces (a GGUF does not say; transformers' GGUF
+# reader picks by architecture too); every other architecture: metaspace_form
+SPM_FORMS = {"phi3": prepend_form, "gemma": gemma_form, "gemma2": gemma_form, "gemma3": gemma_form}
+
+
+def sentencepiece_backend(f: GGUFFile, tokens: list[str], types) -> tuple[RustTokenizer, list[str], object]:
+    """"llama": SentencePiece BPE with byte fallback, its merges recovered from the scores."""
+    scores = f.float_array("tokenizer.ggml.scores")
+    if types is None or scores is None or len(scores) != len(tokens):
+        raise CheckpointError(f"{f.path}: a SentencePiece vocabulary needs tokenizer.ggml.scores and "
+                              "tokenizer.ggml.token_type, one per token")
+    odd = sorted({int(t) for t in types} - {NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE})
+    if odd:
+        raise CheckpointError(f"{f.path}: SentencePiece token types {odd} are not supported")
+    if not BYTE_PIECES <= {t for t, kind in zip(tokens, types) if kind == BYTE}:
+        # without all 256 byte pieces a character outside the vocabulary would become <unk> or be
+        # dropped, differently in each implementation
+        raise CheckpointError(f"{f.path}: the SentencePiece vocabulary lacks some of the byte pieces <0x00>..<0xFF>")
+    form = SPM_FORMS.get(f.architecture, metaspace_form)
+    prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+    pipeline = form(prefix)
+    if pipeline is None:
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.add_space_prefix={prefix} is not what a "
+                              f"{f.architecture} tokenizer has")
+    if form is gemma_form:
+        tokens, types = gemma_spaces(tokens, types)
+        ranks = np.arange(len(tokens))   # Gemma's scores do not follow its merge order; the order in the file does
+    else:
+        ranks = -scores
+    spaced = [t for t, kind in zip(tokens, types) if kind == USER_DEFINED and " " in t]
+    if spaced:
+        # the converter writes a user-defined piece's "▁" as a space: whether the HF tokenizer
+        # matches it against spaces or "▁" is lost
+        raise CheckpointError(f"{f.path}: user-defined tokens with spaces ({spaced[0]!r}) are not supported")
+    vocab = model_vocab(tokens, types)
+    if len(vocab) != sum(int(kind) != UNUSED for kind in types):
+        raise CheckpointError(f"{f.path}: the SentencePiece vocabulary has a token twice")
+    backend = RustTokenizer(BPE(vocab, spm_merges(tokens, types, ranks, vocab), fuse_unk=True, byte_fallback=True))
+    backend.normalizer, backend.pre_tokenizer, backend.decoder = pipeline
+    return backend, tokens, types
+
+
+def spm_merges(tokens: list[str], types, ranks, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies: every split of a normal piece into two
+    pieces of the vocabulary, best piece first. SentencePiece (and llama.cpp's SPM tokenizer) joins
+    the adjacent pair whose joined piece is best; HF's BPE applies the best-ranked merge, so ranking
+    the merges by their piece gives the same pieces. A piece's own splits go in id order, as
+    transformers writes them when it converts a tokenizer.model."""
+    merges = []
+    for i in sorted((i for i, kind in enumerate(types) if kind == NORMAL), key=lambda i: (ranks[i], i)):
+        piece = tokens[i]
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
+        merges += sorted(((a, b) for a, b in splits if a in vocab and b in vocab),
+                         key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+    return merges
+
+
+def gemma_spaces(tokens: list[str], types) -> tuple[list[str], object]:
+    """Gemma's pieces of two or more spaces are user-defined in its tokenizer.model, and the
+    converter writes their "▁" as spaces; GemmaTokenizer has them as ordinary pieces of "▁"s,
+    which BPE reaches through the merges (transformers' GGUF reader respells them the same way)."""
+    tokens, types = list(tokens), types.copy()
+    for i, t in enumerate(tokens):
+        if t and not t.strip(" ") and types[i] == USER_DEFINED:
+            tokens[i], types[i] = SPACE * len(t), NORMAL
+    return tokens, types
+
+
+# tokenizer.ggml.model -> (backend builder, the token types that are special added tokens, whether
+# BOS is added when the file does not say): the unknown piece is special for SentencePiece, as
+# transformers makes it
+BUILDERS = {"gpt2": (byte_level_backend, (CONTROL,), False),
+            "llama": (sentencepiece_backend, (CONTROL, UNKNOWN), True)}

@@ -10,17 +10,19 @@ from pdserve.errors import CheckpointError
 from pdserve.loader import load_model
 
 
-def rewrite(src: str, dst: str, arch: str | None = None, retype: dict | None = None) -> str:
-    """A copy of a GGUF file with another general.architecture and/or some tensors re-quantized."""
+def rewrite(src: str, dst: str, arch: str | None = None, retype: dict | None = None, kv: dict | None = None) -> str:
+    """A copy of a GGUF file with another general.architecture, some tensors re-quantized and/or
+    some metadata values replaced (kv: key -> value of the same type, or None to leave it out)."""
     r = GGUFReader(src)
     old_arch = r.fields["general.architecture"].contents()
     w = GGUFWriter(dst, arch or old_arch)
+    kv = kv or {}
     for name, field in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
+        if name.startswith("GGUF.") or name == "general.architecture" or kv.get(name, ...) is None:
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
-        w.add_key_value(name, field.contents(), kind, sub_type=sub)
+        w.add_key_value(name, kv.get(name, field.contents()), kind, sub_type=sub)
     for t in r.tensors:
         data, qtype = np.asarray(t.data), t.tensor_type
         if retype and t.name in retype:
