@@ -54,12 +54,8 @@ def build_tokenizer(f: GGUFFile) -> tuple[RustTokenizer, dict, dict, str | None]
         raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens is missing")
     if types is not None and len(types) != len(tokens):
         raise CheckpointError(f"{f.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    build, special_types, add_bos_default = BUILDERS[model]
-    backend, tokens, types = build(f, tokens, types)
-    if types is not None:
-        added = [AddedToken(tokens[i], special=int(types[i]) in special_types, normalized=False)
-                 for i in range(len(tokens)) if int(types[i]) in special_types + (USER_DEFINED,)]
-        backend.add_tokens(added)   # already in the vocabulary: they keep their ids
+    build, add_bos_default = BUILDERS[model]
+    backend = build(f, tokens, types)
 
     def text(key):
         i = f.get(f"tokenizer.ggml.{key}_token_id")
@@ -84,7 +80,7 @@ def build_tokenizer(f: GGUFFile) -> tuple[RustTokenizer, dict, dict, str | None]
     return backend, config, generation, f.get("tokenizer.chat_template")
 
 
-def byte_level_backend(f: GGUFFile, tokens: list[str], types) -> tuple[RustTokenizer, list[str], object]:
+def byte_level_backend(f: GGUFFile, tokens: list[str], types) -> RustTokenizer:
     """"gpt2": byte-level BPE with the file's merges and the pre-tokenizer tokenizer.ggml.pre names."""
     pre = f.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
@@ -108,7 +104,20 @@ def byte_level_backend(f: GGUFFile, tokens: list[str], types) -> tuple[RustToken
             pre_tokenizers.Split(Regex(regex), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
-    return backend, tokens, types
+    add_vocabulary_tokens(backend, tokens, types, special=(CONTROL,))
+    return backend
+
+
+def add_vocabulary_tokens(backend: RustTokenizer, tokens: list[str], types, special: tuple[int, ...],
+                          rstrip: frozenset[str] = frozenset()) -> None:
+    """The file's added tokens, matched whole in the text before the model splits it: the token
+    types in `special` as special tokens (left out of decode(skip_special_tokens=True)),
+    USER_DEFINED ones as plain ones; those in `rstrip` also take the whitespace after them."""
+    if types is None:
+        return
+    added = [AddedToken(tokens[i], special=int(types[i]) in special, normalized=False, rstrip=tokens[i] in rstrip)
+             for i in range(len(tokens)) if int(types[i]) in special + (USER_DEFINED,)]
+    backend.add_tokens(added)   # already in the vocabulary: they keep their ids
 
 
 def model_vocab(tokens: list[str], types) -> dict[str, int]:
@@ -134,9 +143,9 @@ def metaspace_form(prefix: bool):
 
 
 def prepend_form(prefix: bool):
-    """Phi-3's tokenizer.json (transformers reads it as it is, and a phi3 GGUF likewise): the prefix
-    comes from a normalizer, so it goes before every stretch of text (after special tokens too) and
-    also before text that already starts with a space."""
+    """Phi-3's tokenizer.json (transformers reads it as it is): the prefix comes from a normalizer,
+    so it goes before every stretch of text (after special tokens too) and also before text that
+    already starts with a space."""
     if not prefix:
         return None
     norm = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
@@ -156,12 +165,22 @@ def spm_decoder(strip_prefix: bool):
     return decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if strip_prefix else []))
 
 
-# how each architecture's HF tokenizer marks spaces (a GGUF does not say; transformers' GGUF
-# reader picks by architecture too); every other architecture: metaspace_form
-SPM_FORMS = {"phi3": prepend_form, "gemma": gemma_form, "gemma2": gemma_form, "gemma3": gemma_form}
+def phi3_rstrip(tokens: list[str], types) -> frozenset[str]:
+    """Phi-3's added tokens that take the whitespace after them in its tokenizer.json: its chat
+    tokens (<|user|>, <|end|>, ...) and </s>, not <unk>, <s> or <|endoftext|>. A GGUF does not
+    record it; llama.cpp sets the same by name."""
+    kept = {"<unk>", "<s>", "<|endoftext|>"}
+    return frozenset(t for t, kind in zip(tokens, types) if (kind == CONTROL and t not in kept) or t == "</s>")
 
 
-def sentencepiece_backend(f: GGUFFile, tokens: list[str], types) -> tuple[RustTokenizer, list[str], object]:
+# How each architecture's HF tokenizer treats spaces, and which of its added tokens strip the
+# whitespace after them: a GGUF records neither, so (as transformers' GGUF reader does) the
+# architecture decides. Every other architecture: metaspace_form, nothing stripped.
+SPM_FORMS = {"phi3": (prepend_form, phi3_rstrip), "gemma": (gemma_form, None), "gemma2": (gemma_form, None),
+             "gemma3": (gemma_form, None)}
+
+
+def sentencepiece_backend(f: GGUFFile, tokens: list[str], types) -> RustTokenizer:
     """"llama": SentencePiece BPE with byte fallback, its merges recovered from the scores."""
     scores = f.float_array("tokenizer.ggml.scores")
     if types is None or scores is None or len(scores) != len(tokens):
@@ -174,7 +193,7 @@ def sentencepiece_backend(f: GGUFFile, tokens: list[str], types) -> tuple[RustTo
         # without all 256 byte pieces a character outside the vocabulary would become <unk> or be
         # dropped, differently in each implementation
         raise CheckpointError(f"{f.path}: the SentencePiece vocabulary lacks some of the byte pieces <0x00>..<0xFF>")
-    form = SPM_FORMS.get(f.architecture, metaspace_form)
+    form, rstrip = SPM_FORMS.get(f.architecture, (metaspace_form, None))
     prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
     pipeline = form(prefix)
     if pipeline is None:
@@ -195,7 +214,10 @@ def sentencepiece_backend(f: GGUFFile, tokens: list[str], types) -> tuple[RustTo
         raise CheckpointError(f"{f.path}: the SentencePiece vocabulary has a token twice")
     backend = RustTokenizer(BPE(vocab, spm_merges(tokens, types, ranks, vocab), fuse_unk=True, byte_fallback=True))
     backend.normalizer, backend.pre_tokenizer, backend.decoder = pipeline
-    return backend, tokens, types
+    # the unknown piece is a special token too, as transformers makes it
+    add_vocabulary_tokens(backend, tokens, types, special=(CONTROL, UNKNOWN),
+                          rstrip=rstrip(tokens, types) if rstrip else frozenset())
+    return backend
 
 
 def spm_merges(tokens: list[str], types, ranks, vocab: dict[str, int]) -> list[tuple[str, str]]:
@@ -224,8 +246,5 @@ def gemma_spaces(tokens: list[str], types) -> tuple[list[str], object]:
     return tokens, types
 
 
-# tokenizer.ggml.model -> (backend builder, the token types that are special added tokens, whether
-# BOS is added when the file does not say): the unknown piece is special for SentencePiece, as
-# transformers makes it
-BUILDERS = {"gpt2": (byte_level_backend, (CONTROL,), False),
-            "llama": (sentencepiece_backend, (CONTROL, UNKNOWN), True)}
+# tokenizer.ggml.model -> (backend builder, whether BOS is added when the file does not say)
+BUILDERS = {"gpt2": (byte_level_backend, False), "llama": (sentencepiece_backend, True)}

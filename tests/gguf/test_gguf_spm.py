@@ -152,3 +152,95 @@ def test_greedy_equals_transformers(converted):
         assert out.token_ids == hf_greedy(model_dir, prompt, 16)
     text = "Once upon a time"
     assert llm.tokenizer.encode(text) == Tokenizer.from_dir(model_dir).encode(text)
+
+
+def refusal(path: str) -> str:
+    with pytest.raises(CheckpointError) as e:
+        Tokenizer.from_dir(path)
+    msg = str(e.value)
+    assert "\n" not in msg and path in msg
+    return msg
+
+
+def retyped(gguf: str, dst: str, token: str, token_type: int) -> str:
+    """The GGUF with one token's type changed."""
+    f = GGUFFile(gguf)
+    tokens, types = f.string_array("tokenizer.ggml.tokens"), f.int_array("tokenizer.ggml.token_type")
+    types[tokens.index(token)] = token_type
+    return rewrite(gguf, dst, kv={"tokenizer.ggml.token_type": [int(t) for t in types]})
+
+
+def test_an_unknown_typed_unk_piece_is_special(make_spm_gguf, tmp_path):
+    """Older converters and tokenizer.model-only checkpoints leave <unk> UNKNOWN (2), not CONTROL:
+    transformers still has it as a special token (the unk token)."""
+    model_dir, gguf = make_spm_gguf(True)
+    ours = Tokenizer.from_dir(retyped(gguf, str(tmp_path / "unk.gguf"), "<unk>", 2))
+    assert_same_tokenizer(ours, Tokenizer.from_dir(model_dir), ["<unk> hi <unk>", TEXT])
+    assert ours.all_special_ids == Tokenizer.from_dir(model_dir).all_special_ids
+
+
+def test_gemma_space_handling(make_spm_gguf, spm_model, tmp_path):
+    """The vocabulary as a Gemma file (no space prefix): transformers' GemmaTokenizer made from the
+    same tokenizer.model is the reference."""
+    from transformers import GemmaTokenizerFast
+    _, gguf = make_spm_gguf(False)
+    ours = Tokenizer.from_dir(rewrite(gguf, str(tmp_path / "gemma.gguf"), arch="gemma3"))
+    src = tmp_path / "gemma-hf"
+    src.mkdir()
+    shutil.copy(spm_model, src / "tokenizer.model")
+    ref = GemmaTokenizerFast.from_pretrained(str(src), bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    for text in TEXTS:
+        ids = ref.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == ids, text
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+
+
+def test_phi3_space_handling(make_spm_gguf, tmp_path):
+    """The vocabulary as a Phi-3 file. Phi-3's tokenizer.json (which transformers reads as it is)
+    gets its space prefix from a normalizer, so before every stretch of text and before a leading
+    space too, and its chat tokens and </s> take the whitespace after them (rstrip); its <unk>,
+    <s> and <|endoftext|> do not. The reference is the checkpoint's tokenizer.json made so."""
+    from tokenizers import Tokenizer as RustTokenizer
+    model_dir, gguf = make_spm_gguf(True)
+    ours = Tokenizer.from_dir(rewrite(gguf, str(tmp_path / "phi3.gguf"), arch="phi3"))
+    with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+    spec["pre_tokenizer"] = None
+    for token in spec["added_tokens"]:
+        token["rstrip"] = token["content"] in ("</s>", *CONTROL)
+    ref = RustTokenizer.from_str(json.dumps(spec))
+    for text in TEXTS + ["<|im_start|>  \n hi</s> \n<s> x"]:
+        for special in (True, False):
+            ids = ref.encode(text, add_special_tokens=special).ids
+            assert ours.encode(text, add_special_tokens=special) == ids, text
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    llama = Tokenizer.from_dir(gguf)
+    for text in ("  hi", "<|im_start|>user\n hi"):   # where the two differ
+        assert ours.encode(text) != llama.encode(text)
+
+
+@pytest.mark.parametrize("arch, prefix", [("gemma3", True), ("phi3", False)])
+def test_a_space_prefix_the_architecture_does_not_have_is_refused(make_spm_gguf, tmp_path, arch, prefix):
+    _, gguf = make_spm_gguf(False)
+    path = rewrite(gguf, str(tmp_path / f"{arch}.gguf"), arch=arch, kv={"tokenizer.ggml.add_space_prefix": prefix})
+    assert "add_space_prefix" in refusal(path)
+
+
+def test_what_it_cannot_reproduce_is_refused(make_spm_gguf, tmp_path):
+    _, gguf = make_spm_gguf(True)
+    # SentencePiece Unigram (T5) and WordPiece files: another algorithm, not built here
+    for model in ("t5", "bert"):
+        path = rewrite(gguf, str(tmp_path / f"{model}.gguf"), kv={"tokenizer.ggml.model": model})
+        assert f"tokenizer model {model!r} is not supported" in refusal(path)
+    f = GGUFFile(gguf)
+    tokens = f.string_array("tokenizer.ggml.tokens")
+    for old, new, reason in (("<0x41>", "<0x41 >", "byte pieces"), ("he", "\u2581a", "a token twice"),
+                             ("[TOOL]", "[TO OL]", "user-defined tokens with spaces")):
+        changed = [new if t == old else t for t in tokens]
+        path = rewrite(gguf, str(tmp_path / f"{new}.gguf"), kv={"tokenizer.ggml.tokens": changed})
+        assert reason in refusal(path)
+    assert "token types [0]" in refusal(retyped(gguf, str(tmp_path / "undefined.gguf"), "he", 0))
+    path = rewrite(gguf, str(tmp_path / "noscores.gguf"), kv={"tokenizer.ggml.scores": None})
+    assert "tokenizer.ggml.scores" in refusal(path)
