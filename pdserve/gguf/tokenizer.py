@@ -183,16 +183,7 @@ SPM_FORMS = {"phi3": (prepend_form, phi3_rstrip), "gemma": (gemma_form, None), "
 def sentencepiece_backend(f: GGUFFile, tokens: list[str], types) -> RustTokenizer:
     """"llama": SentencePiece BPE with byte fallback, its merges recovered from the scores."""
     scores = f.float_array("tokenizer.ggml.scores")
-    if types is None or scores is None or len(scores) != len(tokens):
-        raise CheckpointError(f"{f.path}: a SentencePiece vocabulary needs tokenizer.ggml.scores and "
-                              "tokenizer.ggml.token_type, one per token")
-    odd = sorted({int(t) for t in types} - {NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE})
-    if odd:
-        raise CheckpointError(f"{f.path}: SentencePiece token types {odd} are not supported")
-    if not BYTE_PIECES <= {t for t, kind in zip(tokens, types) if kind == BYTE}:
-        # without all 256 byte pieces a character outside the vocabulary would become <unk> or be
-        # dropped, differently in each implementation
-        raise CheckpointError(f"{f.path}: the SentencePiece vocabulary lacks some of the byte pieces <0x00>..<0xFF>")
+    check_spm_vocabulary(f, tokens, types, scores)
     form, rstrip = SPM_FORMS.get(f.architecture, (metaspace_form, None))
     prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
     pipeline = form(prefix)
@@ -218,6 +209,21 @@ def sentencepiece_backend(f: GGUFFile, tokens: list[str], types) -> RustTokenize
     add_vocabulary_tokens(backend, tokens, types, special=(CONTROL, UNKNOWN),
                           rstrip=rstrip(tokens, types) if rstrip else frozenset())
     return backend
+
+
+def check_spm_vocabulary(f: GGUFFile, tokens: list[str], types, scores) -> None:
+    """Refuses, in one line, a vocabulary the SentencePiece form would not tokenize exactly as the
+    model's own tokenizer."""
+    if types is None or scores is None or len(scores) != len(tokens):
+        raise CheckpointError(f"{f.path}: a SentencePiece vocabulary needs tokenizer.ggml.scores and "
+                              "tokenizer.ggml.token_type, one per token")
+    odd = sorted({int(t) for t in types} - {NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE})
+    if odd:
+        raise CheckpointError(f"{f.path}: SentencePiece token types {odd} are not supported")
+    if not BYTE_PIECES <= {t for t, kind in zip(tokens, types) if kind == BYTE}:
+        # without all 256 byte pieces a character outside the vocabulary would become <unk> or be
+        # dropped, differently in each implementation
+        raise CheckpointError(f"{f.path}: the SentencePiece vocabulary lacks some of the byte pieces <0x00>..<0xFF>")
 
 
 def spm_merges(tokens: list[str], types, ranks, vocab: dict[str, int]) -> list[tuple[str, str]]:
