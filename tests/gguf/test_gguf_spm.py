@@ -29,9 +29,9 @@ SPM_VOCAB = 1500   # the tiny Llama's embedding has 1536 rows: the converter pad
 CONTROL = ["<|im_start|>", "<|im_end|>"]
 USER_DEFINED = ["[TOOL]"]
 # leading spaces, newlines, special and user-defined tokens inside text, characters the
-# vocabulary lacks (byte fallback: "ꙮ", "𝔘", the emoji of TEXT), the empty string
+# vocabulary lacks (byte fallback: "ꙮ", "𝔘", "🦜"), the empty string
 TEXTS = [TEXT, " ".join(corpus_texts())[:20000], "", " ", "  hi", "   two  spaces ", "\n", "\n\nhi\n \n",
-         "ꙮ 𝔘nicode ꙮꙮ", "<|im_start|>user\n hi there<|im_end|>\n<|im_start|>assistant\n",
+         "ꙮ 𝔘nicode ꙮꙮ 🦜", "<|im_start|>user\n hi there<|im_end|>\n<|im_start|>assistant\n",
          "x[TOOL]y [TOOL] z", "<s> hi</s>", "<unk>", "▁hi ▁", "<0x41>"]
 
 
@@ -64,21 +64,20 @@ def spm_checkpoint(model_dir: str, spm_model: str, out: str, add_prefix_space: b
     tok = LlamaTokenizerFast.from_pretrained(out, add_bos_token=True, chat_template=CHATML_BOS,
                                              **({} if add_prefix_space else {"add_prefix_space": False}))
     tok.save_pretrained(out)
-    config_path = os.path.join(out, "tokenizer_config.json")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
     # Hub checkpoints list their added tokens in tokenizer_config.json (transformers 5 keeps them
     # in tokenizer.json only); the converter reads them there to mark user-defined pieces
-    config["added_tokens_decoder"] = {str(i): t.__getstate__() for i, t in tok.added_tokens_decoder.items()}
-    with open(config_path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
-    gen_path = os.path.join(out, "generation_config.json")
-    with open(gen_path, encoding="utf-8") as f:
-        gen = json.load(f)
-    gen["eos_token_id"] = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
-    with open(gen_path, "w", encoding="utf-8") as f:
-        json.dump(gen, f, indent=2)
+    update_json(os.path.join(out, "tokenizer_config.json"), added_tokens_decoder={
+        str(i): t.__getstate__() for i, t in tok.added_tokens_decoder.items()})
+    update_json(os.path.join(out, "generation_config.json"),
+                eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")])
     return out
+
+
+def update_json(path: str, **values) -> None:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data | values, f, indent=2, ensure_ascii=False)
 
 
 @pytest.fixture(scope="session")
@@ -118,8 +117,8 @@ def assert_same_tokenizer(ours: Tokenizer, ref, texts=TEXTS):
         for special in (True, False):
             ids = ref.encode(text, add_special_tokens=special)
             assert ours.encode(text, add_special_tokens=special) == ids, (text, special)
-        for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
         for i in ids:   # one piece at a time, as a stream decodes
             assert ours.decode([i], skip_special_tokens=False) == ref.decode([i], skip_special_tokens=False)
 
@@ -130,7 +129,7 @@ def test_tokenizer_equals_the_checkpoints(converted):
     ours, ref = Tokenizer.from_dir(gguf), Tokenizer.from_dir(model_dir)
     # the texts exercise what they should: byte fallback, both kinds of added token
     ids = ours.encode(" ".join(TEXTS))
-    assert {ours.token_to_id(t) for t in ("<0xEA>", "<|im_start|>", "[TOOL]", "<s>")} <= set(ids)
+    assert {ours.token_to_id(t) for t in ("<0xEA>", "<0xF0>", "<|im_start|>", "[TOOL]", "<s>")} <= set(ids)
     assert_same_tokenizer(ours, ref)
     assert_same_tokenizer(ours, AutoTokenizer.from_pretrained(model_dir))
     if prefix:   # transformers' GGUF reader leaves out tokenizer.ggml.add_space_prefix (always "first")
