@@ -23,53 +23,66 @@ from tests.gguf.conftest import PEERS_DIR
 from tests.gguf.test_gguf_errors import rewrite
 from tests.gguf.test_gguf_model import TEXT
 from tests.helpers import corpus_prompts, hf_greedy
-from tools.make_model import CHATML_BOS, corpus_texts
+from tools.make_model import CHATML_BOS, GEMMA_TEMPLATE, corpus_texts
 
-SPM_VOCAB = 1500   # the tiny Llama's embedding has 1536 rows: the converter pads with 36 UNUSED tokens
+SPM_VOCAB = 1500   # the tiny models' embeddings have 1536 rows: the converter pads with UNUSED tokens
 CONTROL = ["<|im_start|>", "<|im_end|>"]
-USER_DEFINED = ["[TOOL]"]
+# how each family trains its tokenizer.model: Llama's <unk>/<s>/</s> at 0-2 and a space prefix;
+# Gemma's <pad>/<eos>/<bos>/<unk> at 0-3, no prefix, and pieces of 2 and 4 spaces as user-defined
+# (which the converter writes with real spaces); each with its chat markers as control pieces and
+# one more user-defined piece
+SPM_STYLES = {
+    "llama": dict(control_symbols=CONTROL, user_defined_symbols=["[TOOL]"], unk_id=0, bos_id=1, eos_id=2,
+                  pad_id=-1),
+    "gemma": dict(control_symbols=["<start_of_turn>", "<end_of_turn>"],
+                  user_defined_symbols=["\u2581\u2581", "\u2581" * 4, "[TOOL]"], add_dummy_prefix=False,
+                  pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+                  unk_piece="<unk>"),
+}
 # leading spaces, newlines, special and user-defined tokens inside text, characters the
 # vocabulary lacks (byte fallback: "ꙮ", "𝔘", "🦜"), the empty string
 TEXTS = [TEXT, " ".join(corpus_texts())[:20000], "", " ", "  hi", "   two  spaces ", "\n", "\n\nhi\n \n",
          "ꙮ 𝔘nicode ꙮꙮ 🦜", "<|im_start|>user\n hi there<|im_end|>\n<|im_start|>assistant\n",
          "x[TOOL]y [TOOL] z", "<s> hi</s>", "<unk>", "▁hi ▁", "<0x41>"]
+GEMMA_TEXTS = TEXTS + ["<start_of_turn>user\n hi<end_of_turn>\n<bos>", "a  b    c      d\t\te"]
 
 
 @pytest.fixture(scope="session")
-def spm_model(tmp_path_factory) -> str:
-    """tokenizer.model: SentencePiece BPE with byte fallback, Llama's <unk>/<s>/</s> at 0-2, ChatML
-    markers as control pieces and one user-defined piece."""
-    import sentencepiece as spm
-    texts = [t for t in corpus_texts(max_story_chars=400_000) if t.strip()]
-    out = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_writer=out, model_type="bpe", vocab_size=SPM_VOCAB,
-        byte_fallback=True, character_coverage=0.999, remove_extra_whitespaces=False,
-        normalization_rule_name="identity", split_digits=True, allow_whitespace_only_pieces=True,
-        control_symbols=CONTROL, user_defined_symbols=USER_DEFINED, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        max_sentence_length=100_000, num_threads=2, minloglevel=2)
-    path = tmp_path_factory.mktemp("spm") / "tokenizer.model"
-    path.write_bytes(out.getvalue())
-    return str(path)
+def spm_model(tmp_path_factory):
+    """spm_model(style) -> a tokenizer.model: SentencePiece BPE with byte fallback in SPM_STYLES' style."""
+    made = {}
+
+    def train(style: str) -> str:
+        import sentencepiece as spm
+        if style not in made:
+            texts = [t for t in corpus_texts(max_story_chars=400_000) if t.strip()]
+            out = io.BytesIO()
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(texts), model_writer=out, model_type="bpe", vocab_size=SPM_VOCAB,
+                byte_fallback=True, character_coverage=0.999, remove_extra_whitespaces=False,
+                normalization_rule_name="identity", split_digits=True, allow_whitespace_only_pieces=True,
+                max_sentence_length=100_000, num_threads=2, minloglevel=2, **SPM_STYLES[style])
+            made[style] = tmp_path_factory.mktemp("spm") / "tokenizer.model"
+            made[style].write_bytes(out.getvalue())
+        return str(made[style])
+    return train
 
 
-def spm_checkpoint(model_dir: str, spm_model: str, out: str, add_prefix_space: bool) -> str:
+def spm_checkpoint(model_dir: str, spm_model: str, out: str, tokenizer_class, end_of_turn: str, **kwargs) -> str:
     """A copy of the tiny checkpoint with the SentencePiece tokenizer: tokenizer.model, and
-    tokenizer.json / tokenizer_config.json as transformers' LlamaTokenizer writes them."""
-    from transformers import LlamaTokenizerFast
+    tokenizer.json / tokenizer_config.json as transformers' `tokenizer_class` writes them."""
     shutil.copytree(model_dir, out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         os.remove(os.path.join(out, name))
     shutil.copy(spm_model, os.path.join(out, "tokenizer.model"))
-    tok = LlamaTokenizerFast.from_pretrained(out, add_bos_token=True, chat_template=CHATML_BOS,
-                                             **({} if add_prefix_space else {"add_prefix_space": False}))
+    tok = tokenizer_class.from_pretrained(out, add_bos_token=True, **kwargs)
     tok.save_pretrained(out)
     # Hub checkpoints list their added tokens in tokenizer_config.json (transformers 5 keeps them
     # in tokenizer.json only); the converter reads them there to mark user-defined pieces
     update_json(os.path.join(out, "tokenizer_config.json"), added_tokens_decoder={
         str(i): t.__getstate__() for i, t in tok.added_tokens_decoder.items()})
-    update_json(os.path.join(out, "generation_config.json"),
-                eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")])
+    update_json(os.path.join(out, "generation_config.json"), bos_token_id=tok.bos_token_id,
+                eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids(end_of_turn)])
     return out
 
 
@@ -80,17 +93,23 @@ def update_json(path: str, **values) -> None:
         json.dump(data | values, f, indent=2, ensure_ascii=False)
 
 
+def convert(model_dir: str) -> str:
+    return peers.convert_to_gguf(PEERS_DIR, model_dir, "f32", out=os.path.join(model_dir, "..", "model.gguf"),
+                                 python=sys.executable)
+
+
 @pytest.fixture(scope="session")
 def make_spm_gguf(make_tiny, llama_tree, spm_model, tmp_path_factory):
-    """make_spm_gguf(add_prefix_space) -> (HF checkpoint, its F32 GGUF)"""
+    """make_spm_gguf(add_prefix_space) -> (tiny Llama HF checkpoint, its F32 GGUF)"""
+    from transformers import LlamaTokenizerFast
     made = {}
 
     def make(prefix: bool) -> tuple[str, str]:
         if prefix not in made:
-            base = tmp_path_factory.mktemp("spm-llama")
-            model_dir = spm_checkpoint(make_tiny("llama"), spm_model, str(base / "hf"), prefix)
-            made[prefix] = model_dir, peers.convert_to_gguf(PEERS_DIR, model_dir, "f32", out=str(base / "model.gguf"),
-                                                            python=sys.executable)
+            out = str(tmp_path_factory.mktemp("spm-llama") / "hf")
+            model_dir = spm_checkpoint(make_tiny("llama"), spm_model("llama"), out, LlamaTokenizerFast, "<|im_end|>",
+                                       chat_template=CHATML_BOS, **({} if prefix else {"add_prefix_space": False}))
+            made[prefix] = model_dir, convert(model_dir)
         return made[prefix]
     return make
 
@@ -178,20 +197,29 @@ def test_an_unknown_typed_unk_piece_is_special(make_spm_gguf, tmp_path):
     assert ours.all_special_ids == Tokenizer.from_dir(model_dir).all_special_ids
 
 
-def test_gemma_space_handling(make_spm_gguf, spm_model, tmp_path):
-    """The vocabulary as a Gemma file (no space prefix): transformers' GemmaTokenizer made from the
-    same tokenizer.model is the reference."""
-    from transformers import GemmaTokenizerFast
-    _, gguf = make_spm_gguf(False)
-    ours = Tokenizer.from_dir(rewrite(gguf, str(tmp_path / "gemma.gguf"), arch="gemma3"))
-    src = tmp_path / "gemma-hf"
-    src.mkdir()
-    shutil.copy(spm_model, src / "tokenizer.model")
-    ref = GemmaTokenizerFast.from_pretrained(str(src), bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    for text in TEXTS:
-        ids = ref.encode(text, add_special_tokens=False)
-        assert ours.encode(text, add_special_tokens=False) == ids, text
-        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+def test_a_gemma_file_tokenizes_as_the_checkpoint(make_tiny, llama_tree, spm_model, tmp_path):
+    """A tiny Gemma 3 with a Gemma-style tokenizer.model and the GemmaTokenizer transformers makes
+    of it, converted by llama.cpp's Gemma 3 converter (which writes add_space_prefix false and the
+    pieces of spaces with real spaces)."""
+    from transformers import AutoTokenizer, GemmaTokenizerFast
+    model_dir = spm_checkpoint(make_tiny("gemma3"), spm_model("gemma"), str(tmp_path / "hf"), GemmaTokenizerFast,
+                               "<end_of_turn>", chat_template=GEMMA_TEMPLATE)
+    gguf = convert(model_dir)
+    f = GGUFFile(gguf)
+    assert (f.architecture, f.get("tokenizer.ggml.model"), f.get("tokenizer.ggml.add_space_prefix")) == \
+        ("gemma3", "llama", False)
+    types = dict(zip(f.string_array("tokenizer.ggml.tokens"), f.int_array("tokenizer.ggml.token_type")))
+    assert types["  "] == types["    "] == 4
+    ours, ref = Tokenizer.from_dir(gguf), Tokenizer.from_dir(model_dir)
+    assert {ours.token_to_id(t) for t in ("\u2581\u2581", "<0xF0>", "<start_of_turn>", "[TOOL]")} <= \
+        set(ours.encode(" ".join(GEMMA_TEXTS)))
+    # (not transformers' GGUF reader: it adds tokens the file does not have, <|im_start|> among them)
+    assert_same_tokenizer(ours, ref, GEMMA_TEXTS)
+    assert_same_tokenizer(ours, AutoTokenizer.from_pretrained(model_dir), GEMMA_TEXTS)
+    assert (ours.bos_token_id, ours.eos_token_ids, ours.all_special_ids, ours.vocab_size, ours.special_tokens) == \
+        (ref.bos_token_id, ref.eos_token_ids, ref.all_special_ids, ref.vocab_size, ref.special_tokens)
+    chat = [{"role": "user", "content": " Hello  there"}]
+    assert ours.encode_chat(chat) == ref.encode_chat(chat)
 
 
 def test_phi3_space_handling(make_spm_gguf, tmp_path):
