@@ -1,11 +1,13 @@
 """A GGUF with a SentencePiece tokenizer (tokenizer.ggml.model "llama": Llama 2, Mistral, Gemma,
-Phi-3) tokenizes as the HF checkpoint it came from, made as users make it: a SentencePiece BPE
-model trained with the `sentencepiece` package on the repo's corpus, its tokenizer.model and the
-fast tokenizer transformers converts from it put into a tiny Llama checkpoint, and that converted
-by llama.cpp's convert_hf_to_gguf.py (which reads tokenizer.model: _set_vocab_sentencepiece).
-With the space prefix (Llama 2 / Mistral style) and without it (add_prefix_space false in
-tokenizer_config.json, which the converter writes as tokenizer.ggml.add_space_prefix false, as
-Gemma's files have it)."""
+Phi-3) tokenizes as the HF checkpoint it came from, and serves as it does, made as users make
+it: a SentencePiece BPE model trained with the `sentencepiece` package on the repo's corpus in the
+family's style, its tokenizer.model and the tokenizer files transformers makes of it put into a
+tiny checkpoint, and that converted by llama.cpp's convert_hf_to_gguf.py (which reads the
+tokenizer.model: _set_vocab_sentencepiece, or Phi-3's own reader; the pre-tokenizer name the
+conversion wrapper forces is never asked for). Llama with the space prefix and without it
+(add_prefix_space false in tokenizer_config.json, which the converter writes as
+tokenizer.ggml.add_space_prefix false), Gemma 3 (no prefix, pieces of spaces) and Phi-3 (the
+prefix from a normalizer, chat tokens that strip the whitespace after them)."""
 import io
 import json
 import os
@@ -21,9 +23,9 @@ from pdserve.gguf.reader import GGUFFile
 from pdserve.tokenizer import Tokenizer
 from tests.gguf.conftest import PEERS_DIR
 from tests.gguf.test_gguf_errors import rewrite
-from tests.gguf.test_gguf_model import TEXT
+from tests.gguf.test_gguf_model import ARCHS, TEXT
 from tests.helpers import corpus_prompts, hf_greedy
-from tools.make_model import CHATML_BOS, GEMMA_TEMPLATE, corpus_texts
+from tools.make_model import CHATML_BOS, GEMMA_TEMPLATE, PHI3_TEMPLATE, corpus_texts
 
 SPM_VOCAB = 1500   # the tiny models' embeddings have 1536 rows: the converter pads with UNUSED tokens
 CONTROL = ["<|im_start|>", "<|im_end|>"]
@@ -34,6 +36,8 @@ CONTROL = ["<|im_start|>", "<|im_end|>"]
 SPM_STYLES = {
     "llama": dict(control_symbols=CONTROL, user_defined_symbols=["[TOOL]"], unk_id=0, bos_id=1, eos_id=2,
                   pad_id=-1),
+    # Phi-3's tokenizer.model is Llama 2's; its chat tokens are added after it (phi3_tokenizer)
+    "phi3": dict(user_defined_symbols=["[TOOL]"], unk_id=0, bos_id=1, eos_id=2, pad_id=-1),
     "gemma": dict(control_symbols=["<start_of_turn>", "<end_of_turn>"],
                   user_defined_symbols=["\u2581\u2581", "\u2581" * 4, "[TOOL]"], add_dummy_prefix=False,
                   pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
@@ -44,7 +48,6 @@ SPM_STYLES = {
 TEXTS = [TEXT, " ".join(corpus_texts())[:20000], "", " ", "  hi", "   two  spaces ", "\n", "\n\nhi\n \n",
          "ꙮ 𝔘nicode ꙮꙮ 🦜", "<|im_start|>user\n hi there<|im_end|>\n<|im_start|>assistant\n",
          "x[TOOL]y [TOOL] z", "<s> hi</s>", "<unk>", "▁hi ▁", "<0x41>"]
-GEMMA_TEXTS = TEXTS + ["<start_of_turn>user\n hi<end_of_turn>\n<bos>", "a  b    c      d\t\te"]
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +71,8 @@ def spm_model(tmp_path_factory):
     return train
 
 
-def spm_checkpoint(model_dir: str, spm_model: str, out: str, tokenizer_class, end_of_turn: str, **kwargs) -> str:
+def spm_checkpoint(model_dir: str, spm_model: str, out: str, tokenizer_class, end_of_turn: str | None,
+                   **kwargs) -> str:
     """A copy of the tiny checkpoint with the SentencePiece tokenizer: tokenizer.model, and
     tokenizer.json / tokenizer_config.json as transformers' `tokenizer_class` writes them."""
     shutil.copytree(model_dir, out)
@@ -81,8 +85,11 @@ def spm_checkpoint(model_dir: str, spm_model: str, out: str, tokenizer_class, en
     # in tokenizer.json only); the converter reads them there to mark user-defined pieces
     update_json(os.path.join(out, "tokenizer_config.json"), added_tokens_decoder={
         str(i): t.__getstate__() for i, t in tok.added_tokens_decoder.items()})
-    update_json(os.path.join(out, "generation_config.json"), bos_token_id=tok.bos_token_id,
-                eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids(end_of_turn)])
+    eos = [tok.eos_token_id] + ([tok.convert_tokens_to_ids(end_of_turn)] if end_of_turn else [])
+    update_json(os.path.join(out, "generation_config.json"), bos_token_id=tok.bos_token_id, eos_token_id=eos)
+    # the converter takes the special ids config.json names (the byte-level tokenizer's until now)
+    update_json(os.path.join(out, "config.json"), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
     return out
 
 
@@ -93,41 +100,93 @@ def update_json(path: str, **values) -> None:
         json.dump(data | values, f, indent=2, ensure_ascii=False)
 
 
-def convert(model_dir: str) -> str:
-    return peers.convert_to_gguf(PEERS_DIR, model_dir, "f32", out=os.path.join(model_dir, "..", "model.gguf"),
-                                 python=sys.executable)
+def phi3_tokenizer(out: str) -> None:
+    """Phi-3's tokenizer files: its tokenizer.json gets the space prefix from a normalizer (so
+    before every stretch of text, and before a leading space too), not Metaspace, and transformers
+    reads it as it is; <|endoftext|> (EOS) and the chat tokens are added after the
+    tokenizer.model's pieces, and the chat tokens and </s> (not special) take the whitespace after
+    them (rstrip); <|endoftext|> also pads. As Phi-3-mini's files have them."""
+    path = os.path.join(out, "tokenizer.json")
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+    spec["pre_tokenizer"] = None
+    for token in spec["added_tokens"]:
+        if token["content"] == "</s>":
+            token.update(special=False, rstrip=True)
+    size = len(spec["model"]["vocab"])
+    for i, token in enumerate(["<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"]):
+        spec["added_tokens"].append(dict(id=size + i, content=token, single_word=False, lstrip=False,
+                                         rstrip=token != "<|endoftext|>", normalized=False, special=True))
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(spec, f, ensure_ascii=False)
+    update_json(os.path.join(out, "tokenizer_config.json"), eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                add_bos_token=False,
+                tokenizer_class="LlamaTokenizer", added_tokens_decoder={
+                    str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in spec["added_tokens"]})
+    update_json(os.path.join(out, "generation_config.json"), eos_token_id=[size, size + 3])
+    update_json(os.path.join(out, "config.json"), eos_token_id=size, pad_token_id=size)
+
+
+# name -> (tiny model and its config overrides (gemma3's and phi3's: what their GGUF can say, as
+# test_gguf_model.py makes them), tokenizer.model style, transformers' tokenizer class, its
+# arguments, the end-of-turn token, a last edit of the tokenizer files)
+SPM_CHECKPOINTS = {
+    "llama": ("llama", {}, "llama", "LlamaTokenizerFast", dict(chat_template=CHATML_BOS), "<|im_end|>", None),
+    "llama-no-prefix": ("llama", {}, "llama", "LlamaTokenizerFast",
+                        dict(chat_template=CHATML_BOS, add_prefix_space=False), "<|im_end|>", None),
+    "gemma3": ("gemma3", ARCHS["gemma3"], "gemma", "GemmaTokenizerFast", dict(chat_template=GEMMA_TEMPLATE),
+               "<end_of_turn>", None),
+    "phi3": ("phi3", ARCHS["phi3"], "phi3", "LlamaTokenizerFast", dict(chat_template=PHI3_TEMPLATE), None,
+             phi3_tokenizer),
+}
 
 
 @pytest.fixture(scope="session")
 def make_spm_gguf(make_tiny, llama_tree, spm_model, tmp_path_factory):
-    """make_spm_gguf(add_prefix_space) -> (tiny Llama HF checkpoint, its F32 GGUF)"""
-    from transformers import LlamaTokenizerFast
+    """make_spm_gguf(name of SPM_CHECKPOINTS) -> (tiny HF checkpoint, its F32 GGUF by llama.cpp's converter)"""
+    import transformers
     made = {}
 
-    def make(prefix: bool) -> tuple[str, str]:
-        if prefix not in made:
-            out = str(tmp_path_factory.mktemp("spm-llama") / "hf")
-            model_dir = spm_checkpoint(make_tiny("llama"), spm_model("llama"), out, LlamaTokenizerFast, "<|im_end|>",
-                                       chat_template=CHATML_BOS, **({} if prefix else {"add_prefix_space": False}))
-            made[prefix] = model_dir, convert(model_dir)
-        return made[prefix]
+    def make(name: str) -> tuple[str, str]:
+        if name not in made:
+            arch, overrides, style, tokenizer_class, kwargs, end_of_turn, edit = SPM_CHECKPOINTS[name]
+            out = str(tmp_path_factory.mktemp(f"spm-{name}") / "hf")
+            model_dir = spm_checkpoint(make_tiny(arch, **overrides), spm_model(style), out,
+                                       getattr(transformers, tokenizer_class), end_of_turn, **kwargs)
+            if edit:
+                edit(model_dir)
+            made[name] = model_dir, peers.convert_to_gguf(PEERS_DIR, model_dir, "f32", out=f"{model_dir}.gguf",
+                                                          python=sys.executable)
+        return made[name]
     return make
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["space-prefix", "no-space-prefix"])
+@pytest.fixture(scope="module", params=list(SPM_CHECKPOINTS))
 def converted(request, make_spm_gguf):
-    """(HF checkpoint, its GGUF, add_prefix_space)"""
-    return *make_spm_gguf(request.param), request.param
+    """(name, HF checkpoint, its GGUF)"""
+    return request.param, *make_spm_gguf(request.param)
+
+
+# what llama.cpp's converter writes for each: the space prefix flag, and some tokens' types
+WRITTEN = {"llama": (True, {"<s>": 3, "<|im_start|>": 3, "[TOOL]": 4, "<0x0A>": 6, "[PAD1535]": 5}),
+           "llama-no-prefix": (False, {"<s>": 3, "<|im_start|>": 3, "[TOOL]": 4, "<0x0A>": 6, "[PAD1535]": 5}),
+           "gemma3": (False, {"<bos>": 3, "<start_of_turn>": 3, "  ": 4, "    ": 4, "[TOOL]": 4, "<0x0A>": 6}),
+           "phi3": (True, {"<s>": 3, "</s>": 4, "<|end|>": 3, "[TOOL]": 4, "<0x0A>": 6, "[PAD1535]": 5})}
+# beyond TEXTS: each family's chat markers amid text, with the whitespace Phi-3's strip
+FAMILY_TEXTS = {"gemma3": ["<start_of_turn>user\n hi<end_of_turn>\n<bos>", "a  b    c      d\t\te"],
+                "phi3": ["<|user|>\n hi<|end|>\n<|assistant|>  x</s> \n<s> y<|endoftext|> z", "</s>"]}
 
 
 def test_the_converter_wrote_a_sentencepiece_vocabulary(converted):
-    _, gguf, prefix = converted
+    name, _, gguf = converted
     f = GGUFFile(gguf)
-    assert f.get("tokenizer.ggml.model") == "llama"
-    assert f.get("tokenizer.ggml.add_space_prefix", True) is prefix
-    types = dict(zip(f.string_array("tokenizer.ggml.tokens"), f.int_array("tokenizer.ggml.token_type")))
-    assert (types["<s>"], types["<|im_start|>"], types["[TOOL]"], types["<0x0A>"]) == (3, 3, 4, 6)
-    assert types["[PAD1535]"] == 5 and f.float_array("tokenizer.ggml.scores") is not None
+    prefix, types = WRITTEN[name]
+    assert (f.get("tokenizer.ggml.model"), f.get("tokenizer.ggml.add_space_prefix", True)) == ("llama", prefix)
+    written = dict(zip(f.string_array("tokenizer.ggml.tokens"), f.int_array("tokenizer.ggml.token_type")))
+    assert {t: written[t] for t in types} == types
+    assert f.float_array("tokenizer.ggml.scores") is not None
 
 
 def assert_same_tokenizer(ours: Tokenizer, ref, texts=TEXTS):
@@ -144,32 +203,37 @@ def assert_same_tokenizer(ours: Tokenizer, ref, texts=TEXTS):
 
 def test_tokenizer_equals_the_checkpoints(converted):
     from transformers import AutoTokenizer
-    model_dir, gguf, prefix = converted
+    name, model_dir, gguf = converted
     ours, ref = Tokenizer.from_dir(gguf), Tokenizer.from_dir(model_dir)
-    # the texts exercise what they should: byte fallback, both kinds of added token
-    ids = ours.encode(" ".join(TEXTS))
-    assert {ours.token_to_id(t) for t in ("<0xEA>", "<0xF0>", "<|im_start|>", "[TOOL]", "<s>")} <= set(ids)
-    assert_same_tokenizer(ours, ref)
-    assert_same_tokenizer(ours, AutoTokenizer.from_pretrained(model_dir))
-    if prefix:   # transformers' GGUF reader leaves out tokenizer.ggml.add_space_prefix (always "first")
+    texts = TEXTS + FAMILY_TEXTS.get(name, [])
+    # the texts exercise what they should: byte fallback, added tokens, the pieces of spaces
+    wanted = {"llama": ["<|im_start|>", "<s>"], "llama-no-prefix": ["<|im_start|>", "<s>"],
+              "gemma3": ["<start_of_turn>", "\u2581\u2581"], "phi3": ["<|user|>", "</s>"]}[name]
+    assert {ours.token_to_id(t) for t in ["<0xEA>", "<0xF0>", "[TOOL]"] + wanted} <= set(ours.encode(" ".join(texts)))
+    assert_same_tokenizer(ours, ref, texts)
+    assert_same_tokenizer(ours, AutoTokenizer.from_pretrained(model_dir), texts)
+    if name == "llama":
+        # transformers' GGUF reader: not without the space prefix (it leaves the flag out), nor
+        # Gemma (it adds tokens the file does not have, <|im_start|> among them) or Phi-3 (no rstrip)
         hf_gguf = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-        assert_same_tokenizer(ours, hf_gguf)
-    assert (ours.bos_token_id, ours.eos_token_ids, ours.all_special_ids, ours.vocab_size) == \
-        (ref.bos_token_id, ref.eos_token_ids, ref.all_special_ids, ref.vocab_size)
-    assert ours.special_tokens == ref.special_tokens
-    chat = [{"role": "user", "content": " Hello there"}, {"role": "assistant", "content": "Hi!"}]
+        assert_same_tokenizer(ours, hf_gguf, texts)
+    assert (ours.bos_token_id, ours.eos_token_ids, ours.all_special_ids, ours.vocab_size, ours.special_tokens) == \
+        (ref.bos_token_id, ref.eos_token_ids, ref.all_special_ids, ref.vocab_size, ref.special_tokens)
+    assert ours.chat_template == ref.chat_template
+    chat = [{"role": "user", "content": " Hello  there"}, {"role": "assistant", "content": "Hi!"}]
     assert ours.encode_chat(chat) == ref.encode_chat(chat)
 
 
 def test_greedy_equals_transformers(converted):
-    model_dir, gguf, _ = converted
+    """Text in, tokens out: the GGUF's tokenizer and weights against transformers on the checkpoint."""
+    _, model_dir, gguf = converted
     llm = LLM(gguf, dtype="float32", block_size=16)
-    prompts = corpus_prompts(llm.tokenizer, lens=[5, 40], offset=500)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(model_dir, prompt, 16)
-    text = "Once upon a time"
-    assert llm.tokenizer.encode(text) == Tokenizer.from_dir(model_dir).encode(text)
+    ref = Tokenizer.from_dir(model_dir)
+    texts = [" Once upon a time", "<|im_start|>user\n  Café 🦜 ꙮ", ref.decode(corpus_prompts(ref, lens=[40], offset=500)[0])]
+    outs = llm.generate(texts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for text, out in zip(texts, outs):
+        assert out.prompt_token_ids == ref.encode(text)
+        assert out.token_ids == hf_greedy(model_dir, ref.encode(text), 16)
 
 
 def refusal(path: str) -> str:
@@ -191,72 +255,21 @@ def retyped(gguf: str, dst: str, token: str, token_type: int) -> str:
 def test_an_unknown_typed_unk_piece_is_special(make_spm_gguf, tmp_path):
     """Older converters and tokenizer.model-only checkpoints leave <unk> UNKNOWN (2), not CONTROL:
     transformers still has it as a special token (the unk token)."""
-    model_dir, gguf = make_spm_gguf(True)
+    model_dir, gguf = make_spm_gguf("llama")
     ours = Tokenizer.from_dir(retyped(gguf, str(tmp_path / "unk.gguf"), "<unk>", 2))
     assert_same_tokenizer(ours, Tokenizer.from_dir(model_dir), ["<unk> hi <unk>", TEXT])
     assert ours.all_special_ids == Tokenizer.from_dir(model_dir).all_special_ids
 
 
-def test_a_gemma_file_tokenizes_as_the_checkpoint(make_tiny, llama_tree, spm_model, tmp_path):
-    """A tiny Gemma 3 with a Gemma-style tokenizer.model and the GemmaTokenizer transformers makes
-    of it, converted by llama.cpp's Gemma 3 converter (which writes add_space_prefix false and the
-    pieces of spaces with real spaces)."""
-    from transformers import AutoTokenizer, GemmaTokenizerFast
-    model_dir = spm_checkpoint(make_tiny("gemma3"), spm_model("gemma"), str(tmp_path / "hf"), GemmaTokenizerFast,
-                               "<end_of_turn>", chat_template=GEMMA_TEMPLATE)
-    gguf = convert(model_dir)
-    f = GGUFFile(gguf)
-    assert (f.architecture, f.get("tokenizer.ggml.model"), f.get("tokenizer.ggml.add_space_prefix")) == \
-        ("gemma3", "llama", False)
-    types = dict(zip(f.string_array("tokenizer.ggml.tokens"), f.int_array("tokenizer.ggml.token_type")))
-    assert types["  "] == types["    "] == 4
-    ours, ref = Tokenizer.from_dir(gguf), Tokenizer.from_dir(model_dir)
-    assert {ours.token_to_id(t) for t in ("\u2581\u2581", "<0xF0>", "<start_of_turn>", "[TOOL]")} <= \
-        set(ours.encode(" ".join(GEMMA_TEXTS)))
-    # (not transformers' GGUF reader: it adds tokens the file does not have, <|im_start|> among them)
-    assert_same_tokenizer(ours, ref, GEMMA_TEXTS)
-    assert_same_tokenizer(ours, AutoTokenizer.from_pretrained(model_dir), GEMMA_TEXTS)
-    assert (ours.bos_token_id, ours.eos_token_ids, ours.all_special_ids, ours.vocab_size, ours.special_tokens) == \
-        (ref.bos_token_id, ref.eos_token_ids, ref.all_special_ids, ref.vocab_size, ref.special_tokens)
-    chat = [{"role": "user", "content": " Hello  there"}]
-    assert ours.encode_chat(chat) == ref.encode_chat(chat)
-
-
-def test_phi3_space_handling(make_spm_gguf, tmp_path):
-    """The vocabulary as a Phi-3 file. Phi-3's tokenizer.json (which transformers reads as it is)
-    gets its space prefix from a normalizer, so before every stretch of text and before a leading
-    space too, and its chat tokens and </s> take the whitespace after them (rstrip); its <unk>,
-    <s> and <|endoftext|> do not. The reference is the checkpoint's tokenizer.json made so."""
-    from tokenizers import Tokenizer as RustTokenizer
-    model_dir, gguf = make_spm_gguf(True)
-    ours = Tokenizer.from_dir(rewrite(gguf, str(tmp_path / "phi3.gguf"), arch="phi3"))
-    with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
-        spec = json.load(f)
-    spec["normalizer"] = {"type": "Sequence", "normalizers": [
-        {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
-    spec["pre_tokenizer"] = None
-    for token in spec["added_tokens"]:
-        token["rstrip"] = token["content"] in ("</s>", *CONTROL)
-    ref = RustTokenizer.from_str(json.dumps(spec))
-    for text in TEXTS + ["<|im_start|>  \n hi</s> \n<s> x"]:
-        for special in (True, False):
-            ids = ref.encode(text, add_special_tokens=special).ids
-            assert ours.encode(text, add_special_tokens=special) == ids, text
-        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
-    llama = Tokenizer.from_dir(gguf)
-    for text in ("  hi", "<|im_start|>user\n hi"):   # where the two differ
-        assert ours.encode(text) != llama.encode(text)
-
-
 @pytest.mark.parametrize("arch, prefix", [("gemma3", True), ("phi3", False)])
 def test_a_space_prefix_the_architecture_does_not_have_is_refused(make_spm_gguf, tmp_path, arch, prefix):
-    _, gguf = make_spm_gguf(False)
+    _, gguf = make_spm_gguf("llama-no-prefix")
     path = rewrite(gguf, str(tmp_path / f"{arch}.gguf"), arch=arch, kv={"tokenizer.ggml.add_space_prefix": prefix})
     assert "add_space_prefix" in refusal(path)
 
 
 def test_what_it_cannot_reproduce_is_refused(make_spm_gguf, tmp_path):
-    _, gguf = make_spm_gguf(True)
+    _, gguf = make_spm_gguf("llama")
     # SentencePiece Unigram (T5) and WordPiece files: another algorithm, not built here
     for model in ("t5", "bert"):
         path = rewrite(gguf, str(tmp_path / f"{model}.gguf"), kv={"tokenizer.ggml.model": model})
