@@ -65,12 +65,10 @@ def build_tokenizer(f: GGUFFile) -> tuple[RustTokenizer, dict, dict, str | None]
     add_bos = f.get("tokenizer.ggml.add_bos_token", add_bos_default)
     add_eos = f.get("tokenizer.ggml.add_eos_token", False)
     if (add_bos and bos is None) or (add_eos and eos is None):
-        raise CheckpointError(f"{f.path}: tokenizer.ggml.add_bos/eos_token is set but the token id is missing")
+        raise CheckpointError(f"{f.path}: BOS/EOS is to be added (tokenizer.ggml.add_bos/eos_token, or a "
+                              "SentencePiece file's default) but its token id is missing")
     if add_bos or add_eos:
-        single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
-        pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
-        specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x, on in ((bos, add_bos), (eos, add_eos)) if on)]
-        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+        backend.post_processor = bos_eos_processor(backend, bos if add_bos else None, eos if add_eos else None)
     config = {"bos_token": bos, "eos_token": eos, "unk_token": text("unknown"), "pad_token": text("padding"),
               "clean_up_tokenization_spaces": False}
     stops = [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -78,6 +76,14 @@ def build_tokenizer(f: GGUFFile) -> tuple[RustTokenizer, dict, dict, str | None]
         stops += [i for i, t in enumerate(tokens) if t in END_OF_TURN and int(types[i]) == CONTROL]
     generation = {"eos_token_id": list(dict.fromkeys(i for i in stops if isinstance(i, int)))}
     return backend, config, generation, f.get("tokenizer.chat_template")
+
+
+def bos_eos_processor(backend: RustTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
+    """BOS before and EOS after each sequence, those of the two that are given."""
+    single = ([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else [])
+    pair = single + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else [])
+    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(t for t in (bos, eos) if t)]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 def byte_level_backend(f: GGUFFile, tokens: list[str], types) -> RustTokenizer:

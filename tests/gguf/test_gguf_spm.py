@@ -229,7 +229,8 @@ def test_greedy_equals_transformers(converted):
     _, model_dir, gguf = converted
     llm = LLM(gguf, dtype="float32", block_size=16)
     ref = Tokenizer.from_dir(model_dir)
-    texts = [" Once upon a time", "<|im_start|>user\n  Café 🦜 ꙮ", ref.decode(corpus_prompts(ref, lens=[40], offset=500)[0])]
+    story = ref.decode(corpus_prompts(ref, lens=[40], offset=500)[0])
+    texts = [" Once upon a time", "<|im_start|>user\n  Café 🦜 ꙮ", story]
     outs = llm.generate(texts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for text, out in zip(texts, outs):
         assert out.prompt_token_ids == ref.encode(text)
