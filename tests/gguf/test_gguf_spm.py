@@ -31,8 +31,8 @@ SPM_VOCAB = 1500   # the tiny models' embeddings have 1536 rows: the converter p
 CONTROL = ["<|im_start|>", "<|im_end|>"]
 # how each family trains its tokenizer.model: Llama's <unk>/<s>/</s> at 0-2 and a space prefix;
 # Gemma's <pad>/<eos>/<bos>/<unk> at 0-3, no prefix, and pieces of 2 and 4 spaces as user-defined
-# (which the converter writes with real spaces); each with its chat markers as control pieces and
-# one more user-defined piece
+# (which the converter writes with real spaces); Llama's and Gemma's with their chat markers as
+# control pieces; each with one more user-defined piece
 SPM_STYLES = {
     "llama": dict(control_symbols=CONTROL, user_defined_symbols=["[TOOL]"], unk_id=0, bos_id=1, eos_id=2,
                   pad_id=-1),
