@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "granite": ("GraniteForCausalLM", "granite"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
@@ -61,7 +62,7 @@ def hf_config(f: GGUFFile) -> dict:
     if "rope_freqs.weight" in f.tensors:
         raise CheckpointError(f"{f.path}: rope frequency factors stored as the tensor rope_freqs.weight "
                               "(llama3/longrope scaling) are not supported")
-    if f.arch_get("attention.sliding_window") is not None and model_type not in ("gemma3_text", "phi3"):
+    if f.arch_get("attention.sliding_window") is not None and arch not in ("gemma2", "gemma3", "phi3"):
         raise CheckpointError(f"{f.path}: {arch}.attention.sliding_window is set; a {hf_arch} GGUF with a sliding "
                               "window is not supported")
     raw = {
@@ -83,8 +84,8 @@ def hf_config(f: GGUFFile) -> dict:
         for key, name in GRANITE_SCALES.items():
             if f.arch_get(key) is not None:
                 raw[name] = f32(f.arch_get(key))
-    if model_type == "gemma3_text":
-        raw.update(gemma3_fields(f, raw))
+    if arch in GEMMA:
+        raw.update(gemma_fields(f, raw))
     if model_type == "smollm3":
         # llama.cpp's smollm3 (src/models/smollm3.cpp): every 4th layer without RoPE, no window
         raw.update(no_rope_layer_interval=4, use_sliding_window=False)
@@ -98,16 +99,25 @@ def hf_config(f: GGUFFile) -> dict:
     return raw
 
 
-def gemma3_fields(f: GGUFFile, raw: dict) -> dict:
-    """What a Gemma 3 GGUF means as llama.cpp's loader reads it (src/models/gemma3.cpp), in
-    config.json's fields: local layers where attention.sliding_window is set, by
-    attention.sliding_window_pattern (a list of flags, or n: every n-th layer global; 6 where
-    absent); the local layers' RoPE base rope.freq_base_swa (10000 where absent), unscaled; the
-    attention scale 1/sqrt(head size), but 1/sqrt(hidden / heads) for the 62-layer (27B) model;
-    the final logits' soft cap where the file has one."""
-    n, window = raw["num_hidden_layers"], f.arch_get("attention.sliding_window")
+# Gemma's GGUF as llama.cpp's loaders read it (src/models/gemma2.cpp, gemma3.cpp): the default layer
+# pattern (every n-th layer global), the layer count of the 27B model, whose attention scale is
+# 1/sqrt(hidden / heads) (the others': 1/sqrt(head size)), and the local layers' RoPE base where the
+# file has none (Gemma 2: the global one's)
+GEMMA = {"gemma2": dict(pattern=2, big_layers=46, local_base=None),
+         "gemma3": dict(pattern=6, big_layers=62, local_base=10000.0)}
+
+
+def gemma_fields(f: GGUFFile, raw: dict) -> dict:
+    """What a Gemma 2 or 3 GGUF means as llama.cpp reads it, in config.json's fields: local layers by
+    attention.sliding_window_pattern (a list of flags, or n: every n-th layer global; GEMMA's n where
+    absent) with attention.sliding_window (Gemma 3: none without it; Gemma 2: 4096 where absent); the
+    local layers' RoPE base rope.freq_base_swa, unscaled; the attention scale; the soft caps the file has."""
+    arch, n = f.architecture, raw["num_hidden_layers"]
+    g = GEMMA[arch]
+    window = f.arch_get("attention.sliding_window", 4096 if arch == "gemma2" else None)
+    local = [False] * n
     if window:
-        pattern = f.arch_get("attention.sliding_window_pattern", 6)
+        pattern = f.arch_get("attention.sliding_window_pattern", g["pattern"])
         if isinstance(pattern, list):
             if len(pattern) != n:
                 raise CheckpointError(f"{f.path}: attention.sliding_window_pattern has {len(pattern)} flags "
@@ -116,20 +126,24 @@ def gemma3_fields(f: GGUFFile, raw: dict) -> dict:
         else:   # llama.cpp's set_swa_pattern: 0 is every layer local
             pattern = int(pattern)
             local = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+    fields = {"layer_types": ["sliding_attention" if x else "full_attention" for x in local],
+              "sliding_window": int(window) if window else None, "hidden_activation": "gelu_pytorch_tanh",
+              "query_pre_attn_scalar": raw["hidden_size"] // raw["num_attention_heads"] if n == g["big_layers"]
+              else raw["head_dim"]}
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        value = f.arch_get(cap)
+        fields[cap] = f32(value) if value else None
+    local_base = f.arch_get("rope.freq_base_swa", g["local_base"])
+    if arch == "gemma2":
+        if local_base is not None and f32(local_base) != raw["rope_parameters"]["rope_theta"]:
+            raise CheckpointError(f"{f.path}: gemma2.rope.freq_base_swa {local_base} differs from the global "
+                                  "RoPE base, which Gemma 2 does not have")
+    elif any(local):
+        fields["rope_parameters"] = {"full_attention": raw["rope_parameters"],
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": f32(local_base)}}
     else:
-        local = [False] * n
-    types = ["sliding_attention" if x else "full_attention" for x in local]
-    rope = {"full_attention": raw["rope_parameters"]}
-    if any(local):
-        rope["sliding_attention"] = {"rope_type": "default",
-                                     "rope_theta": f32(f.arch_get("rope.freq_base_swa", 10000.0))}
-    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-    return {"layer_types": types, "sliding_window": int(window) if window else None,
-            "rope_parameters": rope, "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": hidden // heads if n == 62 else raw["head_dim"],
-            "final_logit_softcapping": f32(f.arch_get("final_logit_softcapping"))
-            if f.arch_get("final_logit_softcapping") else None,
-            "attn_logit_softcapping": None}
+        fields["rope_parameters"] = {"full_attention": raw["rope_parameters"]}
+    return fields
 
 
 def f32(x) -> float:

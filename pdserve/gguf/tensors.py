@@ -42,11 +42,11 @@ PERMUTED = {"llama", "granite", "smollm3"}   # GGUF architectures whose converte
 # a family's own names where they differ from BLOCK's: Gemma 3's ffn_norm is the MLP's input norm
 # (its post_attention_norm the attention output's, as OLMo 2's)
 # Phi-3 keeps q/k/v as one attn_qkv and gate/up as one ffn_up (its checkpoint's own qkv_proj, gate_up_proj)
-BLOCK_OVERRIDES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+BLOCK_OVERRIDES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"}, "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
                    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # Gemma's norms are stored as offsets from one (norm(x) * (1 + w)); llama.cpp's converter adds the
 # one (Gemma3Model.norm_shift), taken off again here: fl(1 + w) - 1 is exact, so 1 + it is fl(1 + w)
-NORM_SHIFTED = {"gemma3"}
+NORM_SHIFTED = {"gemma2", "gemma3"}
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 

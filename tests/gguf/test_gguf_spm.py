@@ -15,6 +15,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 from benchmarks import peers
 from pdserve import LLM, SamplingParams
@@ -138,6 +139,9 @@ SPM_CHECKPOINTS = {
                         dict(chat_template=CHATML_BOS, add_prefix_space=False), "<|im_end|>", None),
     "gemma3": ("gemma3", ARCHS["gemma3"], "gemma", "GemmaTokenizerFast", dict(chat_template=GEMMA_TEMPLATE),
                "<end_of_turn>", None),
+    # gemma2: llama.cpp's converter takes only a tokenizer.model for it; its attention scale 1/sqrt(head size)
+    "gemma2": ("gemma2", {"head_dim": 32, "query_pre_attn_scalar": 32}, "gemma", "GemmaTokenizerFast",
+               dict(chat_template=GEMMA_TEMPLATE), "<end_of_turn>", None),
     "phi3": ("phi3", ARCHS["phi3"], "phi3", "LlamaTokenizerFast", dict(chat_template=PHI3_TEMPLATE), None,
              phi3_tokenizer),
 }
@@ -173,9 +177,11 @@ def converted(request, make_spm_gguf):
 WRITTEN = {"llama": (True, {"<s>": 3, "<|im_start|>": 3, "[TOOL]": 4, "<0x0A>": 6, "[PAD1535]": 5}),
            "llama-no-prefix": (False, {"<s>": 3, "<|im_start|>": 3, "[TOOL]": 4, "<0x0A>": 6, "[PAD1535]": 5}),
            "gemma3": (False, {"<bos>": 3, "<start_of_turn>": 3, "  ": 4, "    ": 4, "[TOOL]": 4, "<0x0A>": 6}),
+           "gemma2": (False, {"<bos>": 3, "<start_of_turn>": 3, "  ": 4, "    ": 4, "[TOOL]": 4, "<0x0A>": 6}),
            "phi3": (True, {"<s>": 3, "</s>": 4, "<|end|>": 3, "[TOOL]": 4, "<0x0A>": 6, "[PAD1535]": 5})}
 # beyond TEXTS: each family's chat markers amid text, with the whitespace Phi-3's strip
 FAMILY_TEXTS = {"gemma3": ["<start_of_turn>user\n hi<end_of_turn>\n<bos>", "a  b    c      d\t\te"],
+                "gemma2": ["<start_of_turn>user\n hi<end_of_turn>\n<bos>", "a  b    c      d\t\te"],
                 "phi3": ["<|user|>\n hi<|end|>\n<|assistant|>  x</s> \n<s> y<|endoftext|> z", "</s>"]}
 
 
@@ -208,7 +214,8 @@ def test_tokenizer_equals_the_checkpoints(converted):
     texts = TEXTS + FAMILY_TEXTS.get(name, [])
     # the texts exercise what they should: byte fallback, added tokens, the pieces of spaces
     wanted = {"llama": ["<|im_start|>", "<s>"], "llama-no-prefix": ["<|im_start|>", "<s>"],
-              "gemma3": ["<start_of_turn>", "\u2581\u2581"], "phi3": ["<|user|>", "</s>"]}[name]
+              "gemma3": ["<start_of_turn>", "\u2581\u2581"], "gemma2": ["<start_of_turn>", "\u2581\u2581"],
+              "phi3": ["<|user|>", "</s>"]}[name]
     assert {ours.token_to_id(t) for t in ["<0xEA>", "<0xF0>", "[TOOL]"] + wanted} <= set(ours.encode(" ".join(texts)))
     assert_same_tokenizer(ours, ref, texts)
     assert_same_tokenizer(ours, AutoTokenizer.from_pretrained(model_dir), texts)
@@ -285,3 +292,21 @@ def test_what_it_cannot_reproduce_is_refused(make_spm_gguf, tmp_path):
     assert "token types [0]" in refusal(retyped(gguf, str(tmp_path / "undefined.gguf"), "he", 0))
     path = rewrite(gguf, str(tmp_path / "noscores.gguf"), kv={"tokenizer.ggml.scores": None})
     assert "tokenizer.ggml.scores" in refusal(path)
+
+
+def test_gemma2_config_and_logits(make_spm_gguf):
+    # Gemma 2 is read from GGUF only with its SentencePiece tokenizer (the converter takes no other):
+    # its windows every other layer, both soft caps and the 1 + w norms, every position's logits
+    from pdserve.config import ModelConfig
+    from tests.helpers import chunked_logits, hf_logits
+    model_dir, gguf = make_spm_gguf("gemma2")
+    ours, ref = ModelConfig.from_dir(gguf), ModelConfig.from_dir(model_dir)
+    for name in ("layer_windows", "head_dim", "num_kv_heads", "rms_norm_eps"):
+        assert getattr(ours, name) == getattr(ref, name), name
+    for name in ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"):
+        assert ours.raw[name] == ref.raw[name], name
+    assert ours.rope_parameters() == ref.rope_parameters()
+    llm = LLM(gguf, dtype="float32", block_size=16)
+    for prompt in corpus_prompts(llm.tokenizer, lens=[1, 17, 120]):
+        torch.testing.assert_close(chunked_logits(llm.engine, prompt, chunk=len(prompt)), hf_logits(model_dir, prompt),
+                                   atol=1e-4, rtol=0)
