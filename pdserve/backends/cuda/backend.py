@@ -10,7 +10,7 @@ the step's metadata (metadata.py) is built once per step and copied to the devic
 Graphs: once the cache is bound, the forward of a batch of B decodes is captured for B in
 graphs.capture_sizes(max_num_seqs); a step of decodes replays the smallest captured size that
 holds it, padded. --enforce-eager turns them off; a model whose forward cannot be captured (a
-host sync in it) runs eagerly, and the log says why. Prefill and mixed steps always run eagerly.
+host sync in it: the MoE layers' routing) runs eagerly, and describe() says why. Prefill and mixed steps always run eagerly.
 
 KV cache: without --num-kv-blocks or --kv-cache-memory, its blocks are what
 --gpu-memory-utilization of the GPU leaves after the weights and the activations of the largest
@@ -30,6 +30,7 @@ from pdserve.backends.cuda.memory import kv_cache_blocks, profile_activation_byt
 from pdserve.backends.cuda.metadata import CudaAttentionMetadata, build_step_metadata
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.layers.attention import PagedAttention, attention_context
+from pdserve.layers.moe import FusedMoE
 
 log = logging.getLogger("pdserve")
 
@@ -90,6 +91,10 @@ class CudaBackend(Backend):
         """Capture the decode graphs, where the device is CUDA and they are not turned off."""
         self.graphs = None
         if self.device.type != "cuda" or self.why_eager:
+            return
+        if any(isinstance(x, FusedMoE) for x in model.modules()):
+            # its experts' loop reads the routing on the host (bincount().tolist()): no capture
+            self.why_eager = "mixture-of-experts layers route on the host"
             return
         m, c = self.model_config, self.config
         max_len = getattr(m, "max_model_len", None) or m.max_position_embeddings

@@ -150,13 +150,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = H // Hkv
     q = _rows(q)
     grid = (meta.work_seq.shape[0], Hkv)
+    d_pad = max(16, triton.next_power_of_2(D))
+    # wide rows (fp32, or a head of 256): half the key tile and twice the warps, so that the tiles
+    # fit in shared memory and the accumulator in registers
+    wide = d_pad * q.element_size() > 256
+    block_n = max(16, KEY_TILE // 2) if wide else KEY_TILE
     _paged_attention[grid](
         q, k_cache, v_cache, out, sinks if sinks is not None else q,
         meta.block_tables, meta.seq_starts, meta.q_lens, meta.ctx_lens, meta.work_seq, meta.work_q0,
         scale, softcap or 0.0, window or 0, meta.block_size,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=meta.block_q, BLOCK_N=KEY_TILE,
-        HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), HAS_SINKS=sinks is not None,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=meta.block_q, BLOCK_N=block_n,
+        HEAD_DIM=D, D_PAD=d_pad, HAS_SINKS=sinks is not None,
         SOFTCAP=softcap is not None, WINDOWED=window is not None,
-        FP32_DOT=interpreted() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32)
+        FP32_DOT=interpreted() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        num_warps=8 if wide else 4, num_stages=2)
