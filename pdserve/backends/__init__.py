@@ -9,7 +9,7 @@ from pdserve.backends.torch_backend import TorchBackend
 from pdserve.config import EngineConfig, ModelConfig
 
 
-def _cuda_backend(model_config: ModelConfig, config: EngineConfig, device: torch.device) -> Backend:
+def _cuda_backend(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> Backend:
     """The CUDA backend, or the torch backend where its kernels cannot serve the model, saying why."""
     from pdserve.models import kv_spec
     if kv_spec(model_config).planes != 2:
@@ -19,7 +19,7 @@ def _cuda_backend(model_config: ModelConfig, config: EngineConfig, device: torch
     except ImportError:
         return TorchBackend(device, "Triton is not installed: pip install 'pdserve[cuda]'")
     from pdserve.backends.cuda.backend import CudaBackend
-    return CudaBackend(model_config, config)
+    return CudaBackend(model_config, config, dtype)
 
 
 def select_backend(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> Backend:
@@ -29,7 +29,7 @@ def select_backend(model_config: ModelConfig, config: EngineConfig, dtype: torch
     for (--cpu-kernels, --quantization) and cannot be built."""
     device = torch.device(config.device)
     if device.type == "cuda":
-        return _cuda_backend(model_config, config, device)
+        return _cuda_backend(model_config, config, dtype, device)
     if device.type != "cpu":
         return TorchBackend(device)
     if config.cpu_kernels is False:

@@ -31,6 +31,7 @@ from pdserve.backends.cuda.metadata import CudaAttentionMetadata, build_step_met
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.layers.attention import PagedAttention, attention_context
 from pdserve.layers.moe import FusedMoE
+from pdserve.models import kv_spec
 
 log = logging.getLogger("pdserve")
 
@@ -41,8 +42,9 @@ DECODE_TILE_ROWS, PREFILL_TILE_ROWS = 16, 64
 class CudaBackend(Backend):
     name = "cuda"
 
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, device: torch.device | None = None):
-        self.model_config, self.config = model_config, config
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
+                 device: torch.device | None = None):
+        self.model_config, self.config, self.dtype = model_config, config, dtype
         self.device = torch.device(device or config.device)
         group = model_config.num_heads // model_config.num_kv_heads
         group_pad = 1 << (group - 1).bit_length()
@@ -72,8 +74,8 @@ class CudaBackend(Backend):
         c, m = self.config, self.model_config
         n, bs = c.max_num_batched_tokens, c.block_size
         layers = [x for x in model.modules() if isinstance(x, PagedAttention)]
-        scratch = torch.zeros(2, len(layers), bs, m.num_kv_heads, m.head_dim, dtype=next(model.parameters()).dtype,
-                              device=self.device)
+        scratch = torch.zeros(kv_spec(m).shape(len(layers), bs), dtype=self.dtype, device=self.device)
+        bound = [(layer.k_cache, layer.v_cache) for layer in layers]
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = scratch[0, i], scratch[1, i]
         max_len = getattr(m, "max_model_len", None) or m.max_position_embeddings
@@ -84,8 +86,8 @@ class CudaBackend(Backend):
             hidden = self.forward(model, ids, pos, meta)
             rows = hidden[-min(n, c.max_num_seqs):]
             torch.log_softmax(self.compute_logits(model, rows).float(), dim=-1)
-        for layer in layers:
-            layer.k_cache = layer.v_cache = None
+        for layer, (k, v) in zip(layers, bound):
+            layer.k_cache, layer.v_cache = k, v
 
     def attach_cache(self, model: nn.Module) -> None:
         """Capture the decode graphs, where the device is CUDA and they are not turned off."""
