@@ -46,6 +46,8 @@ class CudaBackend(Backend):
                  device: torch.device | None = None):
         self.model_config, self.config, self.dtype = model_config, config, dtype
         self.device = torch.device(device or config.device)
+        if self.device.type == "cuda":   # Triton launches on the current device: cuda:N must be it
+            torch.cuda.set_device(self.device)
         group = model_config.num_heads // model_config.num_kv_heads
         group_pad = 1 << (group - 1).bit_length()
         self.block_q = {True: max(1, DECODE_TILE_ROWS // group_pad), False: max(1, PREFILL_TILE_ROWS // group_pad)}
