@@ -2,10 +2,10 @@
 
 Triton decides at decoration (@triton.jit, at import) whether a function is compiled or
 interpreted, from TRITON_INTERPRET, and that holds for its own library functions (tl.zeros,
-tl.sum, ...) as well as ours. So the fixture imports triton and pdserve.backends.cuda afresh with
-the variable set (triton's compiled extension, triton._C, stays as it is), and after the package's
-tests puts back the variable and whatever modules were there before, so that no other test, and
-no subprocess started later, sees either."""
+tl.sum, ...) as well as ours. So the `cuda` fixture imports triton and pdserve.backends.cuda
+afresh with the variable set (triton's compiled extension, triton._C, stays as it is), and after
+the module's tests puts back the variable and whatever modules were there before: no other module
+(test_gpu.py runs the compiled kernels) and no subprocess started later sees either."""
 import os
 import sys
 from types import SimpleNamespace
@@ -35,7 +35,7 @@ def _index_scalars_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def cuda():
     import importlib.util
     if importlib.util.find_spec("triton") is None:

@@ -69,30 +69,3 @@ def test_graph_replay_falls_back_to_eager_outside_the_buckets(cuda):
     assert graphs.prepare([[1] * 5] * 3, [([1] * 5, list(range(5)), [2] * 5, [[0]] * 5)]) is None   # > 4
     assert graphs.prepare([[1, 2]] * 3, [([2], [0], [2], [[0]])]) is None                            # a prefill
     assert graphs.prepare([[1]] * 3, [([1], [0], [9], [[0, 1, 2]])]) is None                           # > width
-
-
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: graphs and the "
-                               "memory profile run only on a GPU (the device check runs them)")
-
-
-@needs_gpu
-def test_gpu_engine_sizes_its_cache_and_replays_graphs(make_tiny):
-    """On a GPU: the CUDA backend is chosen, sizes its cache from the GPU's memory, captures its
-    decode graphs, and a replayed batch gives the eager batch's tokens."""
-    from pdserve import LLM, SamplingParams
-    path = make_tiny("llama")
-    outs = {}
-    for eager in (True, False):
-        llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=8,
-                  gpu_memory_utilization=0.3)
-        backend = llm.engine.runner.backend
-        assert backend.name == "cuda" and (backend.graphs is None) == eager, backend.describe()
-        replays = []
-        if not eager:
-            replay = backend.graphs.replay
-            backend.graphs.replay = lambda meta, batch: replays.append(batch) or replay(meta, batch)
-        prompts = [[5, 6, 7], [9] * 11, [3, 4]]
-        outs[eager] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))]
-        assert eager or 3 in replays   # the three decoding together replayed a graph
-        del llm
-    assert outs[True] == outs[False]
