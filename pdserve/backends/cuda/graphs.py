@@ -6,7 +6,7 @@ A step of B decodes replays the smallest captured size >= B, its batch padded to
 (metadata.pack_step: padding tokens write no KV, padding sequences attend to nothing). The captured
 graphs read their inputs from one static int64 buffer on the device (the step's token ids,
 positions, slots and attention metadata, laid out as pack_step lays them, the block tables at a
-fixed width: max_model_len's blocks), which each step fills with one copy before the replay."""
+fixed width: max_model_len's blocks), which each step fills with two copies before the replay."""
 import bisect
 import logging
 from array import array
@@ -86,9 +86,14 @@ class DecodeGraphs:
         size = bucket_for(len(flat[-1]), self.sizes)
         if size is None or max(n for g in groups for n in g[2]) > self.width * self.block_size:
             return None
-        ints, _, _ = self._pack(size, flat, groups)
-        self.buffer[:len(ints)].copy_(torch.frombuffer(array("q", ints), dtype=torch.long))
+        # the block tables at this step's width, not the graph's (max_model_len's blocks a row):
+        # a row's entries past its context are never read, so they may keep an earlier step's
+        ints, sizes, width = pack_step(flat, groups, self.block_size, self.block_q, pad_to=size)
+        host = torch.frombuffer(array("q", ints), dtype=torch.long)
+        n = sum(sizes[:-1])
         _, _, views, meta = self.graphs[size]
+        self.buffer[:n].copy_(host[:n])
+        meta.block_tables[:, :width].copy_(host[n:].view(size, width))
         B = len(flat[-1])
         return [v[:B] for v in views], meta
 

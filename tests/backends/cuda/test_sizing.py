@@ -66,6 +66,11 @@ def test_graph_replay_falls_back_to_eager_outside_the_buckets(cuda):
     flat, meta = graphs.prepare(*decode)
     assert meta.graph_batch == 4 and [t.tolist() for t in flat] == decode[0]
     assert graphs.buffer[:12].tolist() == [1, 2, 3, 0, 4, 5, 6, 0, 7, 8, 9, -1]
+    assert meta.ctx_lens.tolist() == [5, 6, 7, 0] and meta.block_tables[:3].tolist() == [[0, 1]] * 3
+    # a step of one block a sequence writes the tables' first column; the second is never read now
+    _, again = graphs.prepare([[1, 2, 3]] * 3, [([1, 1, 1], [0, 1, 2], [2, 3, 4], [[5], [6], [7]])])
+    assert again is meta and meta.block_tables[:3].tolist() == [[5, 1], [6, 1], [7, 1]]
+    assert meta.ctx_lens.tolist() == [2, 3, 4, 0]
     assert graphs.prepare([[1] * 5] * 3, [([1] * 5, list(range(5)), [2] * 5, [[0]] * 5)]) is None   # > 4
     assert graphs.prepare([[1, 2]] * 3, [([2], [0], [2], [[0]])]) is None                            # a prefill
     assert graphs.prepare([[1]] * 3, [([1], [0], [9], [[0, 1, 2]])]) is None                           # > width
