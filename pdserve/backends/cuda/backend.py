@@ -4,7 +4,9 @@ replayed from CUDA graphs (graphs.py), and the KV cache sized from the GPU's mem
 
 Attention: prepare_model swaps each PagedAttention's class for CudaPagedAttention (layers.py).
 One kernel launch per layer serves the step's prefill chunks (each attending to its cached prefix
-and its own earlier tokens) and its decodes, with GQA, sliding windows, logit soft caps and sinks;
+and its own earlier tokens) and its decodes, with GQA, sliding windows, logit soft caps and sinks
+(a small batch of decodes splits each sequence's keys over several programs, split-KV, and a
+second launch combines them);
 the step's metadata (metadata.py) is built once per step and copied to the device in one copy.
 
 Graphs: once the cache is bound, the forward of a batch of B decodes is captured for B in
@@ -46,8 +48,10 @@ class CudaBackend(Backend):
                  device: torch.device | None = None):
         self.model_config, self.config, self.dtype = model_config, config, dtype
         self.device = torch.device(device or config.device)
+        self.num_sms = None   # the GPU's SMs, which split-KV fills (kernels.kv_splits)
         if self.device.type == "cuda":   # Triton launches on the current device: cuda:N must be it
             torch.cuda.set_device(self.device)
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         group = model_config.num_heads // model_config.num_kv_heads
         group_pad = 1 << (group - 1).bit_length()
         self.block_q = {True: max(1, DECODE_TILE_ROWS // group_pad), False: max(1, PREFILL_TILE_ROWS // group_pad)}
@@ -103,7 +107,7 @@ class CudaBackend(Backend):
         m, c = self.model_config, self.config
         max_len = getattr(m, "max_model_len", None) or m.max_position_embeddings
         graphs = DecodeGraphs(capture_sizes(c.max_num_seqs), -(-max_len // c.block_size), c.block_size,
-                              self.block_q[True], self.device)
+                              self.block_q[True], self.device, self._kv_splits)
         try:
             with torch.inference_mode():
                 graphs.capture(lambda ids, pos, meta: self._eager(model, ids, pos, meta))
@@ -119,7 +123,14 @@ class CudaBackend(Backend):
             replay = self.graphs.prepare(flat, groups)
             if replay is not None:
                 return replay
-        return build_step_metadata(flat, groups, block_size, device, self.block_q[decode_only(groups)])
+        decodes = decode_only(groups)
+        tensors, meta = build_step_metadata(flat, groups, block_size, device, self.block_q[decodes])
+        if decodes:   # one program per sequence and KV head: a small batch leaves SMs idle without split-KV
+            meta.kv_splits = self._kv_splits(len(flat[-1]))
+        return tensors, meta
+
+    def _kv_splits(self, num_decodes: int) -> int:
+        return kernels.kv_splits(num_decodes, self.model_config.num_kv_heads, self.num_sms)
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         if isinstance(meta, CudaAttentionMetadata) and meta.graph_batch is not None:

@@ -39,9 +39,10 @@ def decode_only(groups: list[tuple]) -> bool:
 class DecodeGraphs:
     """forward(input_ids, positions, meta) -> hidden, captured for each of sizes."""
 
-    def __init__(self, sizes: list[int], table_width: int, block_size: int, block_q: int, device: torch.device):
+    def __init__(self, sizes: list[int], table_width: int, block_size: int, block_q: int, device: torch.device,
+                 kv_splits=lambda size: 1):
         self.sizes, self.width, self.block_size, self.block_q = sizes, table_width, block_size, block_q
-        self.device = device
+        self.device, self.kv_splits = device, kv_splits   # kv_splits(size): split-KV programs of a size's graph
         ints, _, _ = self._pack(sizes[-1])
         self.buffer = torch.zeros(len(ints), dtype=torch.long, device=device)
         self.graphs: dict[int, tuple] = {}   # size -> (graph, its output, its flat views, its metadata)
@@ -54,7 +55,7 @@ class DecodeGraphs:
 
     def _views(self, size: int, sizes: list[int]):
         flat, meta = step_metadata(self.buffer, sizes, self.width, 3, self.block_size, self.block_q)
-        meta.graph_batch = size
+        meta.graph_batch, meta.kv_splits = size, self.kv_splits(size)
         return flat, meta
 
     def capture(self, forward) -> None:

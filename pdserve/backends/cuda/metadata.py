@@ -23,6 +23,7 @@ class CudaAttentionMetadata(AttentionMetadata):
     work_seq: torch.Tensor = None      # (W,) the sequence of each query tile
     work_q0: torch.Tensor = None       # (W,) the tile's first query within its sequence's chunk
     block_q: int = 1                   # queries per tile
+    kv_splits: int = 1                 # programs sharing each tile's keys (kernels.kv_splits)
     block_size: int = 16
     graph_batch: int | None = None     # the captured batch size this step replays (None: eager)
 

@@ -7,10 +7,11 @@ from pdserve.layers.attention import PagedAttention, attention_context, build_me
 
 
 def run_both(cuda, H, Hkv, D, block_size, q_lens, ctx_lens, dtype=torch.float32, window=None, softcap=None,
-             sinks=False, seed=0, device="cpu", block_q=2):
+             sinks=False, seed=0, device="cpu", block_q=2, kv_splits=1):
     """(torch path's output in fp32, kernels' output, [the torch path's cache, the kernels'] in fp32) of
     one step whose sequence i has q_lens[i] new tokens and ctx_lens[i] keys, its blocks shuffled.
-    cuda: the backend's modules (kernels, layers, metadata); block_q: queries per kernel tile."""
+    cuda: the backend's modules (kernels, layers, metadata); block_q: queries per kernel tile;
+    kv_splits: programs sharing a tile's keys."""
     torch.manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in ctx_lens) + 2
     perm, used, tables = torch.randperm(num_blocks).tolist(), 0, []
@@ -48,6 +49,7 @@ def run_both(cuda, H, Hkv, D, block_size, q_lens, ctx_lens, dtype=torch.float32,
             _, meta = build_metadata([slots], groups, block_size, device)
         else:
             _, meta = make([slots], groups, block_size, device, block_q=block_q)
+            meta.kv_splits = kv_splits
         with attention_context(meta), torch.inference_mode():
             outs.append(layer(q.to(x), k.to(x), v.to(x)).float())
         caches.append(c.float())

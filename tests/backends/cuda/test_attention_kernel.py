@@ -21,6 +21,21 @@ def test_mixed_batch_matches_torch(cuda, name):
     torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)   # the same KV written to the same slots
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_split_keys_match_torch(cuda, name):
+    """Split-KV: 3 programs share each tile's keys (tiles 0, 3, 6... / 1, 4, ... / 2, 5, ...), their
+    softmaxes combined after; a split with no key (short contexts) or the sink counted once."""
+    ref, out, _ = run_both(cuda, q_lens=MIXED[0], ctx_lens=MIXED[1], kv_splits=3, **CASES[name])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_kv_splits_heuristic(cuda):
+    assert cuda.kernels.kv_splits(1, 8, 132) == 16      # batch 1, 8 KV heads: capped
+    assert cuda.kernels.kv_splits(4, 8, 132) == 9       # ceil(264 / 32)
+    assert cuda.kernels.kv_splits(64, 8, 132) == 1      # enough programs already
+    assert cuda.kernels.kv_splits(1, 8, None) == 1      # not a GPU
+
+
 @pytest.mark.parametrize("name", ["gqa", "sinks-window", "softcap"])
 def test_bf16_matches_torch(cuda, name):
     ref, out, caches = run_both(cuda, q_lens=MIXED[0], ctx_lens=MIXED[1], dtype=torch.bfloat16, **CASES[name])

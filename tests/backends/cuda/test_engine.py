@@ -49,7 +49,8 @@ def test_greedy_equals_transformers(cuda, make_tiny, monkeypatch, variant):
 
 def test_padded_decode_batches_equal_transformers(cuda, make_tiny, monkeypatch):
     """Decode steps through DecodeGraphs (batches of 3 padded to 4, of 1 and 2 as they are), each
-    replay running the forward over the static buffers: padding writes no KV and changes no token."""
+    replay running the forward over the static buffers, with split-KV: padding writes no KV and
+    changes no token."""
     path = make_tiny("mistral", sliding_window=8)
     llm = cuda_llm(cuda, path, monkeypatch)
     backend = llm.engine.runner.backend
@@ -66,10 +67,13 @@ def test_padded_decode_batches_equal_transformers(cuda, make_tiny, monkeypatch):
             replays.append((batch, meta.graph_batch))
             return self.forward(flat[0], flat[1], meta)[:batch]
 
-    backend.graphs = EagerGraphs(cuda.graphs.capture_sizes(4), 16, 4, backend.block_q[True], torch.device("cpu"))
+    backend.num_sms = 8   # as if on a GPU of 8 SMs: decode steps split their keys over 2 to 8 programs
+    monkeypatch.setattr(cuda.kernels, "KEY_TILE", 16)   # of 16 keys: the contexts here span two
+    backend.graphs = EagerGraphs(cuda.graphs.capture_sizes(4), 16, 4, backend.block_q[True], torch.device("cpu"),
+                                 backend._kv_splits)
     backend.graphs.capture(lambda ids, pos, meta: backend._eager(llm.engine.runner.model, ids, pos, meta))
     assert_greedy_equals_transformers(llm, path)
-    assert (3, 4) in replays
+    assert (3, 4) in replays and backend.graphs.graphs[4][3].kv_splits == 2
 
 
 def test_profile_step_runs_and_leaves_the_cache(cuda, make_tiny, monkeypatch):

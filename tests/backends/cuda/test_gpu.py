@@ -59,9 +59,11 @@ def test_compiled_kernel_at_model_shapes(compiled, name, dtype):
     ref, out, _ = run_both(compiled, q_lens=q_lens, ctx_lens=ctx_lens, dtype=dtype, device="cuda",
                            block_q=tile(c["H"], c["Hkv"], 64), **c)
     torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
-    ref, out, _ = run_both(compiled, q_lens=[1] * 8, ctx_lens=ctx_lens, dtype=dtype, device="cuda",
-                           block_q=tile(c["H"], c["Hkv"], 16), **c)   # a decode step's tiles
-    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for splits in (1, compiled.kernels.kv_splits(8, c["Hkv"], sms)):   # a decode step's tiles, split-KV or not
+        ref, out, _ = run_both(compiled, q_lens=[1] * 8, ctx_lens=ctx_lens, dtype=dtype, device="cuda",
+                               block_q=tile(c["H"], c["Hkv"], 16), kv_splits=splits, **c)
+        torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def free_gpu():
