@@ -8,7 +8,10 @@ each key's slot looked up in the block table (the cache is read in place, whatev
 size), with an online softmax (flash attention's running max and sum). A query sees the keys at
 positions <= its own (its cached prefix and its chunk's earlier tokens), within its layer's sliding
 window. Which tile each program takes is a list the step's metadata builds (metadata.py), so the
-grid is (tiles, KV heads) with no search in the kernel.
+grid is (tiles, KV heads, splits) with no search in the kernel. Splits (split-KV, flash-decoding)
+are for a small batch of decodes, whose few programs would each walk a whole context while most
+SMs idle: SPLITS programs share a tile's keys, each writing its running max, sum and unnormalized
+output, and _combine_splits rescales them to one softmax.
 
 Under Triton's interpreter (TRITON_INTERPRET=1, the CPU test suite) bf16 is held as its bit
 pattern and arithmetic on it is wrong, so FP32_DOT widens the tiles to fp32 before the dots; on a
