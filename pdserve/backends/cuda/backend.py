@@ -54,7 +54,8 @@ class CudaBackend(Backend):
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         group = model_config.num_heads // model_config.num_kv_heads
         group_pad = 1 << (group - 1).bit_length()
-        self.block_q = {True: max(1, DECODE_TILE_ROWS // group_pad), False: max(1, PREFILL_TILE_ROWS // group_pad)}
+        prefill_rows = PREFILL_TILE_ROWS if model_config.head_dim <= 128 else PREFILL_TILE_ROWS // 2   # registers
+        self.block_q = {True: max(1, DECODE_TILE_ROWS // group_pad), False: max(1, prefill_rows // group_pad)}
         self.graphs: DecodeGraphs | None = None
         self.why_eager = "--enforce-eager" if config.enforce_eager else None
 

@@ -189,6 +189,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                              k_cache.stride(0), v_cache.stride(0), ROW=row, ROW_PAD=triton.next_power_of_2(row))
 
 
+def tile_config(d_pad: int, element_size: int, rows: int) -> tuple[int, int]:
+    """(key tile, warps) of a launch. Wide rows (fp32, or a head of 256) take half the key tile, so
+    that the tiles fit in shared memory; tiles of more than 4096 elements (the accumulator's rows or
+    the key tile, times the head) take 8 warps, so that they fit in registers (ptxas for sm_90,
+    Llama-3-8B's bf16 head of 128: 4 warps spill 1.7 kB a thread at 64 rows, 0.7 kB at 16; 8 warps
+    about none)."""
+    block_n = max(16, KEY_TILE // 2) if d_pad * element_size > 256 else KEY_TILE
+    return block_n, 8 if max(rows, block_n) * d_pad > 4096 else 4
+
+
 def kv_splits(num_tiles: int, num_kv_heads: int, num_sms: int | None) -> int:
     """How many programs share a tile's keys (split-KV, flash-decoding): enough for two programs an
     SM when the step has few (a small batch of decodes has num_tiles x KV heads programs, each over
@@ -212,10 +222,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = _rows(q)
     tiles, splits = meta.work_seq.shape[0], meta.kv_splits
     d_pad = max(16, triton.next_power_of_2(D))
-    # wide rows (fp32, or a head of 256): half the key tile and twice the warps, so that the tiles
-    # fit in shared memory and the accumulator in registers
-    wide = d_pad * q.element_size() > 256
-    block_n = max(16, KEY_TILE // 2) if wide else KEY_TILE
+    block_n, warps = tile_config(d_pad, q.element_size(), meta.block_q * group_pad)
     shape = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=meta.block_q, HEAD_DIM=D, D_PAD=d_pad)
     part_acc = part_ml = out   # unused with one split
     if splits > 1:
@@ -230,8 +237,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), meta.block_tables.stride(0), BLOCK_N=block_n,
         HAS_SINKS=sinks is not None, SOFTCAP=softcap is not None, WINDOWED=window is not None,
         FP32_DOT=interpreted() and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32, SPLITS=splits,
-        num_warps=8 if wide else 4, num_stages=2, **shape)
+        num_warps=warps, num_stages=2, **shape)
     if splits > 1:
         _combine_splits[(tiles, Hkv)](part_acc, part_ml, out, meta.seq_starts, meta.q_lens, meta.ctx_lens,
                                       meta.work_seq, meta.work_q0, out.stride(0), out.stride(1), SPLITS=splits,
-                                      num_warps=8 if wide else 4, **shape)
+                                      num_warps=warps, **shape)
