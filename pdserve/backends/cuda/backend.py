@@ -18,7 +18,8 @@ KV cache: without --num-kv-blocks or --kv-cache-memory, its blocks are what
 --gpu-memory-utilization of the GPU leaves after the weights and the activations of the largest
 step, measured by one forward before the cache exists (memory.py).
 
-Not yet run on a GPU: the kernels are tested under Triton's interpreter on the CPU only."""
+Not yet run on a GPU: the kernels are tested under Triton's interpreter on the CPU, and compiled
+for sm_90 there; tests/backends/cuda/test_gpu.py is what a GPU runs."""
 import logging
 
 import torch
