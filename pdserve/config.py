@@ -273,6 +273,10 @@ class EngineConfig:
                         "on CPU (equal to transformers; bfloat16 is faster on CPUs with AVX512-BF16)",
                         choices=["auto", "float32", "bfloat16", "float16"])
     device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu)")
+    gpu_memory_utilization: float = option(0.9, "CUDA: the fraction of the GPU's total memory this server may use "
+                                           "(weights, activations and the KV cache, which gets what is left; "
+                                           "--num-kv-blocks and --kv-cache-memory override it)", metavar="F")
+    enforce_eager: bool = option(False, "CUDA: run every step eagerly, without the decode steps' CUDA graphs")
     block_size: int = option(16, "tokens per KV-cache block", min=1)
     num_kv_blocks: int | None = option(None, "number of KV-cache blocks (overrides --kv-cache-memory)", min=1)
     kv_cache_memory: int | None = option(None, "bytes of memory for the KV cache (default: enough for "
@@ -365,6 +369,8 @@ class EngineConfig:
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device cuda was asked for but torch sees no CUDA device")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -18,6 +18,12 @@ class Backend:
     def prepare_model(self, model: nn.Module) -> None:
         """Once, after loading and before the KV cache: re-lay weights, swap modules."""
 
+    def kv_cache_blocks(self, model: nn.Module, bytes_per_block: int) -> int | None:
+        """The KV cache's blocks where the backend sizes it from its device's memory (CUDA:
+        --gpu-memory-utilization); None: the runner's default (--num-kv-blocks and
+        --kv-cache-memory, which are asked first, or max-num-seqs full sequences, capped)."""
+        return None
+
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The zeroed KV cache, [2, num_layers, slots, kv_heads, head_dim]."""
         return torch.zeros(shape, dtype=dtype, device=device)

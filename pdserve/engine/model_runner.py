@@ -66,6 +66,9 @@ class ModelRunner:
                 raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no block "
                                  f"(one block is {self.bytes_per_block} bytes)")
             return n
+        measured = self.backend.kv_cache_blocks(self.model, self.bytes_per_block)   # CUDA: from the GPU's memory
+        if measured is not None:
+            return measured
         # enough for max_num_seqs full-length sequences, capped
         want = c.max_num_seqs * -(-max_model_len // self.block_size)
         return max(1, min(want, DEFAULT_KV_CACHE_CAP // self.bytes_per_block))

@@ -200,20 +200,41 @@ class Sampler:
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, seqs: list[Sequence], tokens: list[int], failed: set[int]):
-        out: list[dict[int, float] | None] = []
-        for i, s in enumerate(seqs):
-            n = s.params.logprobs
-            if n is None or raw is None or i in failed:
-                out.append(None)
-                continue
+        """Each row's {token: logprob}: its sampled token and its top n (params.logprobs). A row that
+        fails fails alone. On a GPU the batch's numbers come back in one transfer each (a few syncs,
+        not two per row), row by row only if that fails; on the CPU row by row, each row a view."""
+        out: list[dict[int, float] | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and raw is not None and i not in failed]
+        if len(rows) > 1 and raw.device.type != "cpu":
             try:
-                entry = {tokens[i]: raw[i, tokens[i]].item()}
-                if n:
-                    vals, ids = raw[i].topk(n)
-                    for v, t in zip(vals.tolist(), ids.tolist()):
-                        entry.setdefault(t, v)
+                return Sampler._batch_logprobs(raw, seqs, tokens, rows, out)
             except Exception:
-                Sampler._failed(s, failed, i)
-                entry = None
-            out.append(entry)
+                pass
+        for i in rows:
+            try:
+                n = seqs[i].params.logprobs
+                top = [t.tolist() for t in raw[i].topk(n)] if n else ([], [])
+                out[i] = _logprob_entry(tokens[i], raw[i, tokens[i]].item(), *top)
+            except Exception:
+                Sampler._failed(seqs[i], failed, i)
         return out
+
+    @staticmethod
+    def _batch_logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int], rows: list[int], out: list):
+        n = [seqs[i].params.logprobs for i in rows]
+        sub = raw[torch.tensor(rows, device=raw.device)]
+        chosen = sub.gather(1, torch.tensor([[tokens[i]] for i in rows], device=raw.device))[:, 0].tolist()
+        vals = ids = [[]] * len(rows)
+        if max(n):   # the largest top n any row asks for, each row keeping its own n
+            vals, ids = (t.tolist() for t in sub.topk(max(n)))
+        for j, i in enumerate(rows):
+            out[i] = _logprob_entry(tokens[i], chosen[j], vals[j][:n[j]], ids[j][:n[j]])
+        return out
+
+
+def _logprob_entry(token: int, logprob: float, top_values: list[float], top_ids: list[int]) -> dict[int, float]:
+    """The sampled token's logprob first, then the top ones (the sampled token among them once)."""
+    entry = {token: logprob}
+    for v, t in zip(top_values, top_ids):
+        entry.setdefault(t, v)
+    return entry

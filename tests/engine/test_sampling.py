@@ -77,6 +77,26 @@ def test_logprobs_are_raw_and_include_the_sampled_token():
     assert lps[0][2] == pytest.approx(ref[2].item())
 
 
+def test_batched_logprobs_equal_row_by_row():
+    """A GPU's logprobs come back for the whole batch at once (Sampler._batch_logprobs), the CPU's
+    row by row: the same entries, each row with its own n. A row asking for a top n beyond the
+    vocabulary makes the batch raise (a GPU then goes row by row) and fails alone row by row."""
+    raw = torch.log_softmax(torch.randn(5, 50, generator=torch.Generator().manual_seed(1)), -1)
+    seqs = [fake_seq(SamplingParams(temperature=0, logprobs=n)) for n in (0, 3, 1, 5, 2)]
+    tokens = [4, 9, 0, 49, 7]
+    row_by_row = Sampler._logprobs(raw, seqs, tokens, set())
+    for i, (e, n) in enumerate(zip(row_by_row, (0, 3, 1, 5, 2))):
+        assert set(e) == {tokens[i], *raw[i].topk(n).indices.tolist()}
+        assert e[tokens[i]] == raw[i, tokens[i]].item()
+    assert Sampler._batch_logprobs(raw, seqs, list(tokens), [0, 1, 2, 3, 4], [None] * 5) == row_by_row
+    seqs[2].params.logprobs = 51
+    with pytest.raises(RuntimeError):
+        Sampler._batch_logprobs(raw, seqs, tokens, [0, 1, 2, 3, 4], [None] * 5)
+    failed = set()
+    assert Sampler._logprobs(raw, seqs, tokens, failed) == row_by_row[:2] + [None] + row_by_row[3:]
+    assert failed == {2}
+
+
 def test_greedy_fast_path_equals_the_general_path():
     # A batch with nothing but greedy argmax skips the per-sequence steps; the same batch through
     # the general path (any one request with a min_tokens to apply sends it there) picks the same
