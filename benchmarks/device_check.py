@@ -39,6 +39,8 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
+from benchmarks.device_records import load, log_tail, save, say
+
 # phase -> seconds it may take on the device, before what earlier phases left over
 PHASES = {"exactness": 120, "make_8b": 50, "roofline": 90, "serving": 160}
 TARGET_PHASE = {"decode_bandwidth_fraction": "roofline", "prefill_peak_fraction": "roofline",
@@ -54,32 +56,6 @@ TARGETS = {   # issue 43
     "exact_every_arch": (1.0, "fp32 greedy tokens equal transformers' on the device, every architecture"),
     "bf16_logprobs_every_arch": (1.0, "bf16 logprobs within the stated tolerance, every architecture"),
 }
-
-
-def say(msg: str) -> None:
-    print(f"[device_check {datetime.now():%H:%M:%S}] {msg}", flush=True)
-
-
-def save(path: str, rec: dict) -> None:
-    """Write JSON atomically: a reader (or a kill) never sees half a file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(rec, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
-def load(path: str) -> dict | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-        torch.cuda.synchronize()
 
 
 # --- environment ----------------------------------------------------------------------------------
@@ -217,14 +193,6 @@ def spawn_phase(name: str, args, limit: float, log) -> dict:
     if status is None:
         status = "ok" if rc == 0 else f"failed (exit status {rc})"
     return dict(rec, status=status, seconds=round(time.monotonic() - t0, 1), limit_s=round(limit))
-
-
-def log_tail(path: str, chars: int = 3000) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()[-chars:]
-    except OSError:
-        return ""
 
 
 # --- targets and the summary ----------------------------------------------------------------------

@@ -206,7 +206,7 @@ def run(out_path: str, device: str, work_dir: str, names: list[str], deadline: f
     one architecture cannot poison the next; tiny models leave a GPU mostly idle, so they overlap).
     Written to out_path as each finishes; one still running at `deadline` is stopped, and one not
     yet started then is skipped, each saying so."""
-    from benchmarks.device_check import load, log_tail, save
+    from benchmarks.device_records import load, log_tail, save
     rec = dict(phase="exactness", device=device, prompt_lens=list(PROMPT_LENS), new_tokens=NEW_TOKENS,
                logprob_tolerance=LOGPROB_TOL, workers=workers, variants={n: dict(arch=variants()[n][0], status="not run") for n in names})
     save(out_path, rec)
@@ -264,5 +264,5 @@ def declared(work_dir: str, name: str) -> str | None:
 
 
 if __name__ == "__main__":   # one variant: NAME DEVICE WORK_DIR OUT (run() starts these)
-    from benchmarks.device_check import save
+    from benchmarks.device_records import save
     save(sys.argv[4], check_variant(*sys.argv[1:4]))

@@ -73,7 +73,7 @@ def build_engine(path: str, device: str, prefill: int):
 
 
 def run(out_path: str, device: str, model: str, dry_run: bool) -> dict:
-    from benchmarks.device_check import save, sync
+    from benchmarks.device_records import save, sync
     from pdserve.bench.roofline import held_cost, time_step
     from pdserve.bench.step_cost import phase_steps, step_cost
 

@@ -40,7 +40,7 @@ def commands(system: str, model: str, device: str, wl: Workload, port: int) -> l
 
 
 def run(out_path: str, device: str, model: str, work_dir: str, dry_run: bool, deadline: float) -> dict:
-    from benchmarks.device_check import save, say
+    from benchmarks.device_records import save, say
     from benchmarks.families import serve_and_bench
     from pdserve.bench import servers
 
