@@ -143,7 +143,7 @@ def wait_ready(workers: list[WorkerProcess], stopping: threading.Event) -> None:
 
 def proxy_args(args: argparse.Namespace, prefill: WorkerProcess, decode: WorkerProcess) -> argparse.Namespace:
     """`pdserve proxy`'s flags over the two workers just started: its own at their defaults, the
-    listening ones (ServerConfig's `listen` fields) as serve was given them."""
+    listening ones (ServerConfig's `listen` fields) and --reasoning-parser as serve was given them."""
     from pdserve.entrypoints.proxy import add_arguments as add_proxy_arguments
 
     parser = argparse.ArgumentParser(add_help=False)
@@ -151,6 +151,7 @@ def proxy_args(args: argparse.Namespace, prefill: WorkerProcess, decode: WorkerP
     proxy = parser.parse_args(["--prefill", prefill.url, "--decode", decode.url])
     for f in option_fields(ServerConfig, listen_only=True):
         setattr(proxy, f.name, getattr(args, f.name))
+    proxy.reasoning_parser = args.reasoning_parser   # how the workers render chats, should it route by prefix
     proxy.kv_transfer_secret = prefill.env[auth.ENV]
     return proxy
 

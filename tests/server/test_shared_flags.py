@@ -69,6 +69,10 @@ def test_serve_passes_every_field_to_the_server_config():
         ServerConfig("m", allowed_hosts=["127.0.0.1", "localhost", "::1"])   # the flags' defaults are the fields'
 
 
+# serve's fields the proxy has a flag of its own for: how its workers render prompts (prefix-aware routing)
+PROXY_ROUTING = {"reasoning_parser"}
+
+
 def test_the_proxy_takes_the_listen_fields_and_no_other():
     p = parser_of(proxy.add_arguments)
     workers = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
@@ -79,6 +83,9 @@ def test_the_proxy_takes_the_listen_fields_and_no_other():
     for f in FIELDS:
         if f.name in LISTEN:
             assert getattr(defaults, f.name) == default_of(f) or f.name == "api_key", f.name
+        elif f.name in PROXY_ROUTING:
+            assert getattr(p.parse_args(workers + [flag(f), *VALUES[f.name][0]]), f.name) == VALUES[f.name][1]
+            assert getattr(defaults, f.name) == default_of(f), f.name
         else:
             given = [flag(f), *VALUES[f.name][0]]
             assert p.parse_known_args(workers + given)[1] == given, f.name   # not a flag of the proxy
@@ -92,7 +99,7 @@ def test_disaggregate_gives_the_workers_and_its_proxy_every_field():
             assert flag(f) in flags, f.name
     secret = {auth.ENV: "s"}
     to_proxy = proxy_args(args, WorkerProcess("prefill", [0], 1, [], secret), WorkerProcess("decode", [1], 2, []))
-    for name in LISTEN:
+    for name in LISTEN | PROXY_ROUTING:
         assert getattr(to_proxy, name) == VALUES[name][1], name
     # the proxy's own settings at its own defaults, its workers the two started
     own = parser_of(proxy.add_arguments).parse_args(["--prefill", "u", "--decode", "u"])
