@@ -29,6 +29,8 @@ ARCHITECTURES = {
 GRANITE_SCALES = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
                   "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 DTYPES = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16"}
+# the architectures whose attention.sliding_window is read (gemma_fields; Phi-3's below): refused elsewhere
+WINDOWED = {"gemma2", "gemma3", "phi3"}
 
 
 def hf_config(f: GGUFFile) -> dict:
@@ -62,7 +64,7 @@ def hf_config(f: GGUFFile) -> dict:
     if "rope_freqs.weight" in f.tensors:
         raise CheckpointError(f"{f.path}: rope frequency factors stored as the tensor rope_freqs.weight "
                               "(llama3/longrope scaling) are not supported")
-    if f.arch_get("attention.sliding_window") is not None and arch not in ("gemma2", "gemma3", "phi3"):
+    if f.arch_get("attention.sliding_window") is not None and arch not in WINDOWED:
         raise CheckpointError(f"{f.path}: {arch}.attention.sliding_window is set; a {hf_arch} GGUF with a sliding "
                               "window is not supported")
     raw = {

@@ -39,10 +39,11 @@ LINEARS = {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", 
 # linears pdserve runs as one merged linear (qkv, gate_up): their shards must share one form
 MERGED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 PERMUTED = {"llama", "granite", "smollm3"}   # GGUF architectures whose converter permuted q/k (LlamaModel.undo_permute)
-# a family's own names where they differ from BLOCK's: Gemma 3's ffn_norm is the MLP's input norm
-# (its post_attention_norm the attention output's, as OLMo 2's)
-# Phi-3 keeps q/k/v as one attn_qkv and gate/up as one ffn_up (its checkpoint's own qkv_proj, gate_up_proj)
-BLOCK_OVERRIDES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"}, "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+# a family's own names where they differ from BLOCK's: Gemma's ffn_norm is the MLP's input norm (its
+# post_attention_norm the attention output's, as OLMo 2's); Phi-3 keeps q/k/v as one attn_qkv and
+# gate/up as one ffn_up (its checkpoint's own qkv_proj, gate_up_proj)
+GEMMA_BLOCK = {"ffn_norm": "pre_feedforward_layernorm"}
+BLOCK_OVERRIDES = {"gemma2": GEMMA_BLOCK, "gemma3": GEMMA_BLOCK,
                    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # Gemma's norms are stored as offsets from one (norm(x) * (1 + w)); llama.cpp's converter adds the
 # one (Gemma3Model.norm_shift), taken off again here: fl(1 + w) - 1 is exact, so 1 + it is fl(1 + w)
